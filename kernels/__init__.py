@@ -1,0 +1,122 @@
+"""Paged KV-cache kernels: Triton on the GPU, pure torch elsewhere.
+
+Importable only as `pagedchat.kernels` (relative imports only; nothing of pagedchat is imported here).
+
+Dispatch rule of every entry point (backend="auto", the default):
+  * Triton kernel when Triton imports, the dtype is fp16/bf16/fp32 and either the tensors are on CUDA or
+    TRITON_INTERPRET=1 is set (the Triton interpreter then runs the kernel on CPU tensors);
+  * otherwise the pure-torch twin (`*_ref`), which is also the float64 oracle.
+backend="triton" or backend="torch" forces a path; `set_default_backend` changes the default globally.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .reference import (
+    copy_blocks_ref,
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    write_kv_ref,
+)
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:  # CPU-only install without the `gpu` extra
+    HAS_TRITON = False
+
+if HAS_TRITON:
+    try:  # TEMPORARY until the Triton kernels land
+        from .triton_attention import paged_decode_attention_triton, paged_prefill_attention_triton
+        from .triton_cache import copy_blocks_triton, write_kv_triton
+    except ImportError:
+        HAS_TRITON = False
+
+__all__ = [
+    "HAS_TRITON",
+    "copy_blocks",
+    "copy_blocks_all_layers",
+    "copy_blocks_ref",
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "resolve_backend",
+    "set_default_backend",
+    "triton_interpret_enabled",
+    "write_kv",
+    "write_kv_ref",
+]
+
+_BACKENDS = ("auto", "triton", "torch")
+_default_backend = "auto"
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def set_default_backend(backend: str) -> None:
+    """Set the backend used when an entry point gets backend=None: "auto", "triton" or "torch"."""
+    global _default_backend
+    assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
+    _default_backend = backend
+
+
+def triton_interpret_enabled() -> bool:
+    """True when TRITON_INTERPRET asks for the Triton interpreter (read at call time)."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
+    """Return "triton" or "torch" for a call whose main tensor is `tensor`."""
+    backend = backend or _default_backend
+    assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
+    if backend == "auto":
+        runnable = tensor.is_cuda or triton_interpret_enabled()
+        backend = "triton" if HAS_TRITON and tensor.dtype in _TRITON_DTYPES and runnable else "torch"
+    if backend == "triton" and not HAS_TRITON:
+        raise RuntimeError("backend='triton' requested but triton is not installed")
+    return backend
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, backend=None):
+    """q [B, Hq, D] attends to its paged context -> out [B, Hq, D] (a zero-length row gives zeros)."""
+    if resolve_backend(backend, q) == "triton":
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *,
+                            backend=None):
+    """Causal attention of each sequence's new tokens (the last ones of its context) -> [total_q, Hq, D]."""
+    if resolve_backend(backend, q) == "triton":
+        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                              scale)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None) -> None:
+    """Scatter k, v [N, Hkv, D] into the caches at slot_mapping [N]; negative slots are skipped."""
+    if resolve_backend(backend, k_cache) == "triton":
+        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def copy_blocks(k_cache, v_cache, src, dst, *, backend=None) -> None:
+    """Copy whole blocks src[i] -> dst[i] in one layer's caches (copy-on-write; dst disjoint from src)."""
+    if resolve_backend(backend, k_cache) == "triton":
+        return copy_blocks_triton(k_cache, v_cache, src, dst)
+    return copy_blocks_ref(k_cache, v_cache, src, dst)
+
+
+def copy_blocks_all_layers(k_caches, v_caches, src, dst, *, backend=None) -> None:
+    """copy_blocks over per-layer lists of caches (the index tensors are built once)."""
+    assert len(k_caches) == len(v_caches)
+    if not k_caches:
+        return
+    device = k_caches[0].device
+    src = torch.as_tensor(src, dtype=torch.long, device=device)
+    dst = torch.as_tensor(dst, dtype=torch.long, device=device)
+    for k_cache, v_cache in zip(k_caches, v_caches):
+        copy_blocks(k_cache, v_cache, src, dst, backend=backend)
