@@ -1,0 +1,78 @@
+"""The `pagedchat` command line. Each sub-command lives in pagedchat/commands/ and registers itself here."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import typer
+
+app = typer.Typer(
+    name="pagedchat",
+    help="Chat, fork and compare LLM replies locally on one shared paged KV-cache pool.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Modules that define sub-commands; each has `register(app)`. Heavy imports stay inside the commands.
+COMMAND_MODULES = ["run", "chat", "sessions", "models", "serve", "bench"]
+
+
+def _register_commands() -> None:
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(f"pagedchat.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"pagedchat.commands.{name}":
+                continue  # command not built yet
+            raise
+        module.register(app)
+
+
+_register_commands()
+
+
+def main() -> None:
+    """Entry point: user errors become one line on stderr and a non-zero exit; --debug shows tracebacks."""
+    from pagedchat.errors import UserError
+
+    debug = "--debug" in sys.argv or os.environ.get("PAGEDCHAT_DEBUG") == "1"
+    if "--debug" in sys.argv:
+        sys.argv.remove("--debug")
+    try:
+        app(standalone_mode=False)
+    except UserError as e:
+        if debug:
+            raise
+        print(f"pagedchat: error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("pagedchat: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except (typer.Exit, SystemExit) as e:
+        code = getattr(e, "exit_code", getattr(e, "code", 0))
+        sys.exit(code or 0)
+    except Exception as e:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(e, click.exceptions.Abort):
+            print("pagedchat: interrupted", file=sys.stderr)
+            sys.exit(130)
+        if isinstance(e, click.ClickException):
+            if debug:
+                raise
+            e.show()
+            sys.exit(e.exit_code)
+        if debug:
+            raise
+        print(f"pagedchat: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)",
+              file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The paged KV pool's bookkeeping: fixed blocks, refcounts, a chained-hash prefix cache, LRU reuse.
+
+Only ids and counters live here; the K/V tensors belong to the runner. Invariants (checked by
+`check_invariants`, used by the property tests):
+  - a block is free  <=> its refcount is 0;
+  - every hashed block is the one the hash table maps its hash to;
+  - free blocks keep their hash until reused, so a freed prefix can still be hit (lazy eviction).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block given the hash of the block before it: equal hashes mean equal prefixes."""
+    return hash((parent, tokens))
+
+
+@dataclass
+class PoolStats:
+    num_blocks: int
+    block_size: int
+    used: int          # refcount > 0
+    free: int          # refcount == 0 (reusable)
+    cached: int        # free but still holding a hashed prefix that can be hit
+    shared: int        # refcount > 1
+    peak_used: int
+    prefix_hit_tokens: int    # cumulative tokens whose KV was reused instead of computed
+    prefix_query_tokens: int  # cumulative prompt tokens looked up
+    cow_copies: int           # cumulative copy-on-write block copies
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+class OutOfBlocks(Exception):
+    """No free block is left; the scheduler reacts by evicting pins or preempting."""
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        assert num_blocks > 0 and block_size > 0
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Oldest first: blocks freed long ago (and tail blocks of a freed sequence) are reused first.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.peak_used = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        self.cow_copies = 0
+
+    # -- counts -------------------------------------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def stats(self) -> PoolStats:
+        cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
+        shared = sum(1 for r in self.ref_count if r > 1)
+        return PoolStats(self.num_blocks, self.block_size, self.num_used, self.num_free, cached, shared,
+                         self.peak_used, self.prefix_hit_tokens, self.prefix_query_tokens, self.cow_copies)
+
+    # -- allocation -----------------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        if not self.free_queue:
+            raise OutOfBlocks
+        block, _ = self.free_queue.popitem(last=False)
+        self._forget_hash(block)
+        self.ref_count[block] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
+        return block
+
+    def incref(self, block: int) -> None:
+        if self.ref_count[block] == 0:
+            del self.free_queue[block]
+            self.peak_used = max(self.peak_used, self.num_used)
+        self.ref_count[block] += 1
+
+    def decref(self, block: int) -> None:
+        assert self.ref_count[block] > 0, f"double free of block {block}"
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            if self.block_hash[block] is None or not self.enable_prefix_cache:
+                self._forget_hash(block)
+                # Blocks with nothing worth keeping go to the front: they are reused before cached ones.
+                self.free_queue[block] = None
+                self.free_queue.move_to_end(block, last=False)
+            else:
+                self.free_queue[block] = None
+
+    def free_table(self, table: list[int]) -> None:
+        """Release a block table, tail first: a sequence's last blocks are the least likely to be hit again."""
+        for block in reversed(table):
+            self.decref(block)
+        table.clear()
+
+    def fork_table(self, table: list[int]) -> list[int]:
+        for block in table:
+            self.incref(block)
+        return list(table)
+
+    def copy_on_write(self, table: list[int], index: int) -> tuple[int, int] | None:
+        """Make table[index] private before a write. Returns the (src, dst) copy to perform, if any."""
+        block = table[index]
+        if self.ref_count[block] == 1:
+            # We own it alone. A hashed block is about to change content only if we rewrite it, which we
+            # never do for full blocks; a partial block is never hashed.
+            return None
+        new = self.allocate()
+        self.decref(block)
+        table[index] = new
+        self.cow_copies += 1
+        return block, new
+
+    # -- prefix cache ---------------------------------------------------------------------------------------
+    def lookup(self, parent_hash: int | None, tokens: tuple[int, ...]) -> tuple[int, int] | None:
+        """(block, hash) of a cached full block holding exactly `tokens` after the prefix `parent_hash`."""
+        if not self.enable_prefix_cache:
+            return None
+        h = chain_hash(parent_hash, tokens)
+        block = self.hash_to_block.get(h)
+        if block is None or self.block_tokens[block] != tokens:
+            return None
+        return block, h
+
+    def register(self, block: int, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+        """Index a block that has just become full and computed. Returns its chain hash."""
+        assert len(tokens) == self.block_size and self.ref_count[block] > 0
+        h = chain_hash(parent_hash, tokens)
+        if not self.enable_prefix_cache:
+            return h
+        if self.block_hash[block] == h:
+            return h
+        if h not in self.hash_to_block:  # a duplicate keeps the first copy indexed; this one stays private
+            self._forget_hash(block)
+            self.block_hash[block], self.block_tokens[block] = h, tokens
+            self.hash_to_block[h] = block
+        return h
+
+    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+        self.prefix_query_tokens += query_tokens
+        self.prefix_hit_tokens += hit_tokens
+
+    def _forget_hash(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None and self.hash_to_block.get(h) == block:
+            del self.hash_to_block[h]
+        self.block_hash[block] = self.block_tokens[block] = None
+
+    # -- invariants -----------------------------------------------------------------------------------------
+    def check_invariants(self, tables: list[list[int]] | None = None) -> None:
+        for b in range(self.num_blocks):
+            assert (self.ref_count[b] == 0) == (b in self.free_queue), f"block {b}: free-queue/refcount mismatch"
+            assert self.ref_count[b] >= 0
+        for h, b in self.hash_to_block.items():
+            assert self.block_hash[b] == h, f"hash table points at block {b} that no longer holds that hash"
+        if tables is not None:
+            counts = [0] * self.num_blocks
+            for table in tables:
+                for b in table:
+                    counts[b] += 1
+            assert counts == self.ref_count, "refcounts differ from the number of tables holding each block"

@@ -1,0 +1,52 @@
+"""Engine and pool configuration: one dataclass for what the user can set about the engine."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pagedchat.errors import UserError
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'512MiB', '4GiB', '256KiB', '1.5G' or a plain byte count -> bytes. None stays None."""
+    if text is None or isinstance(text, int):
+        return text
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise UserError(f"invalid size {text!r}: use bytes or a KiB/MiB/GiB suffix, e.g. 512MiB")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise UserError(f"invalid size {text!r}: must be positive")
+    return n
+
+
+@dataclass
+class EngineConfig:
+    model: str                      # local HF folder (resolved by the registry/loader)
+    device: str = "auto"            # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"             # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
+    block_size: int = 16
+    kv_memory: int | None = None    # bytes for the KV pool; None = fraction of free memory
+    kv_fraction: float = 0.9        # of free device memory after weights and a profiled forward (CUDA)
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    max_num_seqs: int = 256         # running sequences per step
+    max_num_batched_tokens: int = 2048  # per-step token budget; prefill is chunked to fit it
+    enable_prefix_cache: bool = True
+    cuda_graphs: bool = True        # capture decode batches on CUDA
+    trust_remote_code: bool = False
+
+    def __post_init__(self):
+        self.kv_memory = parse_size(self.kv_memory)
+        if not 8 <= self.block_size <= 128 or self.block_size & (self.block_size - 1):
+            raise UserError(f"--block-size must be a power of two from 8 to 128, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise UserError("max_num_batched_tokens and max_num_seqs must be positive")
+        if not 0 < self.kv_fraction <= 1:
+            raise UserError(f"kv fraction must be in (0, 1], got {self.kv_fraction}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
+            raise UserError(f"unknown dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")

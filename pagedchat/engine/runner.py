@@ -1,0 +1,120 @@
+"""Owns the model and the K/V tensors of the pool; turns a scheduled batch into one forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+from pagedchat import kernels
+from pagedchat.engine.config import EngineConfig
+from pagedchat.engine.scheduler import ScheduledBatch
+from pagedchat.engine.sequence import Sequence
+from pagedchat.errors import UserError
+from pagedchat.model.attention import AttentionMetadata
+from pagedchat.model.loader import LoadedModel
+
+CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+        self.loaded = loaded
+        self.model = loaded.model
+        self.device = loaded.device
+        self.block_size = config.block_size
+        spec = loaded.spec
+        self.bytes_per_block = 2 * spec.num_layers * config.block_size * spec.num_kv_heads * spec.head_dim \
+            * torch.empty((), dtype=loaded.dtype).element_size()
+        self.num_blocks = self._num_blocks(config)
+        shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
+        # Zero-filled: the torch path reads padded slots (masked, but 0 * NaN would still be NaN).
+        self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.v_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
+        backend = "torch" if self.device.type == "cpu" else "auto"
+        for layer, k, v in zip(self.model.attention_layers(), self.k_caches, self.v_caches):
+            layer.k_cache, layer.v_cache, layer.backend = k, v, backend
+        self.backend = backend
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        budget = config.kv_memory
+        if budget is None:
+            budget = self._free_memory_budget(config) if self.device.type == "cuda" else CPU_DEFAULT_KV_BYTES
+        num_blocks = budget // self.bytes_per_block
+        if num_blocks < 1:
+            raise UserError(f"--kv-memory {budget} bytes holds no KV block: one block of {self.block_size} "
+                            f"tokens needs {self.bytes_per_block} bytes")
+        return int(num_blocks)
+
+    def _free_memory_budget(self, config: EngineConfig) -> int:
+        """What is left for the pool after the weights and a profiled forward of a full step."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_forward(config.max_num_batched_tokens)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
+        return int(total * config.kv_fraction - (total - free) - peak_activations)
+
+    @torch.inference_mode()
+    def _profile_forward(self, num_tokens: int) -> None:
+        """One prefill of a full step's tokens into a throw-away cache, to measure activation memory."""
+        num_tokens = min(num_tokens, self.loaded.max_model_len)
+        spec, dev = self.loaded.spec, self.device
+        blocks = -(-num_tokens // self.block_size)
+        scratch = torch.zeros((blocks, self.block_size, spec.num_kv_heads, spec.head_dim), dtype=self.loaded.dtype,
+                              device=dev)
+        for layer in self.model.attention_layers():
+            layer.k_cache = layer.v_cache = scratch
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=dev),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            is_decode=False, max_seq_len=num_tokens)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
+        self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=dev), meta)[-1:])
+        torch.cuda.synchronize(dev)
+        del scratch
+
+    # -- one step -------------------------------------------------------------------------------------------
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src, dst = zip(*copies)
+            kernels.copy_blocks_all_layers(self.k_caches, self.v_caches, list(src), list(dst), backend=self.backend)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token."""
+        self.copy_blocks(batch.copies)
+        ids, positions, slots, meta, sample_rows, samplers = self._prepare(batch)
+        hidden = self.model(ids, positions, meta)
+        if not sample_rows:
+            return None, []
+        rows = torch.tensor(sample_rows, device=self.device)
+        return self.model.compute_logits(hidden[rows]), samplers
+
+    def _prepare(self, batch: ScheduledBatch):
+        bs, dev = self.block_size, self.device
+        ids, positions, slots, seq_lens, cu, sample_rows, samplers = [], [], [], [], [0], [], []
+        max_blocks = max(len(seq.block_table) for seq, _ in batch.items)
+        tables = torch.zeros((len(batch.items), max_blocks), dtype=torch.int32)
+        for row, (seq, n) in enumerate(batch.items):
+            start, end = seq.num_computed, seq.num_computed + n
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            tables[row, : len(seq.block_table)] = table.to(torch.int32)
+            pos = torch.arange(start, end)
+            ids.append(torch.tensor(seq.token_ids[start:end], dtype=torch.long))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            seq_lens.append(end)
+            cu.append(cu[-1] + n)
+            if end == seq.num_tokens:
+                sample_rows.append(cu[-1] - 1)
+                samplers.append(seq)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
+            block_tables=tables.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            is_decode=cu[-1] == len(batch.items),
+            max_seq_len=max(seq_lens))
+        return (torch.cat(ids).to(dev, non_blocking=True), torch.cat(positions).to(dev, non_blocking=True),
+                meta.slot_mapping, meta, sample_rows, samplers)

@@ -1,0 +1,46 @@
+"""What a request asks of the sampler. Validation errors are user errors (one clear line)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from pagedchat.errors import UserError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0        # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None         # per request; variant i uses an independent stream derived from it
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    n: int = 1                      # variants: the prompt is prefilled once, the n children are forks
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in self.stop if s]
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}"),
+            (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (self.n >= 1, f"n (variants) must be >= 1, got {self.n}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(message)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_(self, **changes) -> "SamplingParams":
+        return replace(self, **changes)

@@ -1,0 +1,211 @@
+"""Continuous batching with chunked prefill, prefix reuse at admission, recompute preemption and pins.
+
+Every step: running sequences first (oldest first, so decodes never stall behind a long prompt), then
+waiting ones join while the per-step token budget and the pool allow. Prompts larger than the remaining
+budget are prefilled in chunks across steps. When a step needs a block and none is free, pins of the least
+recently used conversation branches are dropped first, then the newest running sequence is preempted (its
+blocks freed but still hashed, so its re-prefill mostly hits the cache).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+from pagedchat.engine.block_pool import BlockPool
+from pagedchat.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[tuple[Sequence, int]] = field(default_factory=list)   # (sequence, new tokens this step)
+    copies: list[tuple[int, int]] = field(default_factory=list)       # copy-on-write (src, dst) blocks
+    failed: list[Sequence] = field(default_factory=list)              # cannot fit even alone
+    preempted: list[Sequence] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.watermark = int(0.01 * pool.num_blocks)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pins: OrderedDict[int, Sequence] = OrderedDict()  # least recently used first
+        self.num_preemptions = 0
+
+    # -- queues ---------------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self._make_room(seq, n, reserve=0):
+                self._reserve(seq, n, batch.copies)
+                batch.items.append((seq, n))
+                budget -= n
+                i += 1
+                continue
+            victim = self.running[-1]
+            if victim is seq and len(self.running) == 1:
+                batch.failed.append(seq)       # alone in an empty pool and still too big
+                self._release(seq)
+                self.running.remove(seq)
+                break
+            self._preempt(victim)
+            batch.preempted.append(victim)
+        if batch.preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not seq.block_table:
+                self._match_prefix(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._make_room(seq, n, reserve=self.watermark if self.running else 0):
+                if not self.running and self.pool.num_used == self._held_by(seq):
+                    self.waiting.popleft()      # nothing else holds memory: it can never fit
+                    batch.failed.append(seq)
+                    self._release(seq)
+                    continue
+                self._release(seq)              # do not sit on cached blocks while waiting
+                break
+            self.waiting.popleft()
+            self.pool.record_lookup(seq.num_tokens, seq.num_computed)
+            if seq.request.prefix_hit_tokens is None:
+                seq.request.prefix_hit_tokens = seq.num_computed
+            self._reserve(seq, n, batch.copies)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            batch.items.append((seq, n))
+            budget -= n
+        return batch
+
+    def commit(self, batch: ScheduledBatch) -> None:
+        """After the forward pass: advance computed counts and index blocks that became full."""
+        for seq, n in batch.items:
+            seq.num_computed += n
+            self._register_full_blocks(seq)
+
+    # -- blocks ---------------------------------------------------------------------------------------------
+    def _blocks_needed(self, seq: Sequence, n: int) -> int:
+        new = max(0, self.blocks_for(seq.num_computed + n) - len(seq.block_table))
+        first = seq.num_computed // self.block_size
+        cow = first < len(seq.block_table) and self.pool.ref_count[seq.block_table[first]] > 1
+        return new + int(cow)
+
+    def _make_room(self, seq: Sequence, n: int, reserve: int) -> bool:
+        needed = self._blocks_needed(seq, n) + reserve
+        while self.pool.num_free < needed and self.pins:
+            self.evict_pin(next(iter(self.pins.values())))
+            needed = self._blocks_needed(seq, n) + reserve  # an evicted pin may have ended a sharing
+        return self.pool.num_free >= needed
+
+    def _reserve(self, seq: Sequence, n: int, copies: list[tuple[int, int]]) -> None:
+        bs = self.block_size
+        for index in range(seq.num_computed // bs, min(len(seq.block_table), self.blocks_for(seq.num_computed + n))):
+            copy = self.pool.copy_on_write(seq.block_table, index)
+            if copy:
+                copies.append(copy)
+        while len(seq.block_table) < self.blocks_for(seq.num_computed + n):
+            seq.block_table.append(self.pool.allocate())
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Reuse computed KV at admission: fork a pinned parent, else walk the prefix cache."""
+        bs, tokens = self.block_size, seq.token_ids
+        limit = seq.num_tokens - 1  # the last token is always computed: its logits are sampled
+        parent = seq.parent
+        if parent is not None and parent.status == SeqStatus.PINNED:
+            k = _common_prefix(tokens, parent.token_ids, min(parent.num_computed, limit))
+            seq.block_table = self.pool.fork_table(parent.block_table[: self.blocks_for(k)])
+            seq.block_hashes = parent.block_hashes[: k // bs]
+            seq.num_computed = k
+            self.touch_pin(parent)
+        else:
+            h = None
+            for i in range(limit // bs):
+                found = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
+                if found is None:
+                    break
+                block, h = found
+                self.pool.incref(block)
+                seq.block_table.append(block)
+                seq.block_hashes.append(h)
+            seq.num_computed = len(seq.block_table) * bs
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        while len(seq.block_hashes) < min(seq.num_computed // bs, len(seq.block_table)):
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            seq.block_hashes.append(self.pool.register(seq.block_table[i], parent,
+                                                       tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+
+    def _held_by(self, seq: Sequence) -> int:
+        return sum(1 for b in seq.block_table if self.pool.ref_count[b] > 0)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free_table(seq.block_table)
+        seq.block_hashes.clear()
+        seq.num_computed = 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        self.running.remove(seq)
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # -- finishing, aborting, pins --------------------------------------------------------------------------
+    def finish(self, seq: Sequence, keep: bool) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        if keep and seq.block_table:
+            seq.status = SeqStatus.PINNED
+            self.pins[seq.seq_id] = seq
+        else:
+            seq.status = SeqStatus.FINISHED
+            self._release(seq)
+
+    def touch_pin(self, seq: Sequence) -> None:
+        if seq.seq_id in self.pins:
+            self.pins.move_to_end(seq.seq_id)
+
+    def evict_pin(self, seq: Sequence) -> None:
+        """Drop a pin's blocks (its tokens stay; a later turn re-prefills, mostly from the prefix cache)."""
+        if self.pins.pop(seq.seq_id, None) is not None:
+            self._release(seq)
+            seq.status = SeqStatus.FINISHED
+
+    def all_tables(self) -> list[list[int]]:
+        seqs = list(self.running) + list(self.waiting) + list(self.pins.values())
+        return [s.block_table for s in seqs]
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    k = 0
+    while k < limit and a[k] == b[k]:
+        k += 1
+    return k

@@ -1,0 +1,85 @@
+"""Requests and their sequences: token ids, a block table, and how much of it has KV computed."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedchat.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    PINNED = "pinned"      # finished, still holding its blocks so a follow-up turn prefills only new tokens
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request: "Request", index: int, token_ids: list[int]):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index                  # variant number within its request
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []   # chain hashes of the leading full, computed blocks
+        self.num_computed = 0               # tokens whose K/V are in the pool
+        self.status = SeqStatus.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.generator: torch.Generator | None = None
+        self.parent: Sequence | None = None  # a pinned sequence to fork from at admission
+        self.text = ""                      # detokenized output (stop strings cut off)
+        self.emitted = 0                    # characters of text already streamed
+        self.detok_offsets = (0, 0)         # incremental detokenizer state (prefix_offset, read_offset)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SeqStatus.FINISHED, SeqStatus.PINNED)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed}, blocks={self.block_table})")
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    keep: bool = False                   # pin finished variants (chat turns)
+    sequences: list[Sequence] = field(default_factory=list)
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    prefix_hit_tokens: int | None = None  # set at first admission
+    forked: bool = False                 # the n variants exist (after the prompt's prefill)
+    error: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or (self.forked and all(s.is_finished for s in self.sequences))

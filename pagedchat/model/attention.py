@@ -1,0 +1,39 @@
+"""Attention over the paged KV pool. The model sees only tensors and an AttentionMetadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedchat import kernels
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor    # [T] int64: where each new token's K/V goes (-1 = padding, skipped)
+    block_tables: torch.Tensor    # [B, max_blocks] int32
+    seq_lens: torch.Tensor        # [B] int32: context length of each sequence after this step
+    cu_seqlens_q: torch.Tensor    # [B+1] int32: sequence i owns query rows cu[i]:cu[i+1]
+    is_decode: bool               # every sequence has exactly one new token
+    max_seq_len: int = 0
+
+
+class PagedAttention(nn.Module):
+    """Writes the new K/V into the pool, then attends over each sequence's block table."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.k_cache = self.v_cache = torch.empty(0)  # bound to the pool by the runner
+        self.backend = "auto"  # the runner sets "torch" on CPU so TRITON_INTERPRET never slows the engine
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=self.backend)
+        if meta.is_decode:
+            return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                                  meta.seq_lens, self.scale, backend=self.backend)
+        return kernels.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
+                                               meta.cu_seqlens_q, meta.seq_lens, self.scale,
+                                               backend=self.backend)

@@ -1,0 +1,79 @@
+"""Building blocks of the Llama family, written to match transformers' numerics in fp32."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 and cast back before the weight, exactly as HF does (matters in bf16).
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings as one dict, from transformers 5 (`rope_parameters`) or 4 (`rope_theta`/`rope_scaling`)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling; scaled variants come from transformers itself."""
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope type {params['rope_type']!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin for every position; applied in the non-interleaved (rotate-half) layout.
+
+    A plain object, not a module: the model is built on the meta device and materialized empty, and these
+    tables must survive that (they are computed, never loaded).
+    """
+
+    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device | str = "cpu"):
+        inv_freq, scaling = rope_inv_freq(config, head_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(device)
+        self.sin = (emb.sin() * scaling).to(device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q, k: [T, H, D]; positions: [T]
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

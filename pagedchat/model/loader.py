@@ -1,0 +1,253 @@
+"""Find a model (local HF folder or the HF cache), check it, and load config, weights and tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedchat.errors import ModelLoadError
+from pagedchat.model.layers import RotaryEmbedding
+from pagedchat.model.llama import SUPPORTED_ARCHITECTURES, ArchSpec, LlamaFamilyModel
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    hf_config: object
+    spec: ArchSpec
+    model: LlamaFamilyModel
+    tokenizer: object | None
+    eos_token_ids: list[int]
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {device} was asked for but no CUDA device is available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ModelLoadError(f"unknown device {device!r}: use cpu, cuda or auto")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def find_model_dir(source: str, revision: str | None = None) -> Path:
+    """A local folder, or a repo id in the local HF cache (downloaded only when the hub is reachable)."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise ModelLoadError(f"model path {source} is a file; expected an HF model folder")
+    if source.count("/") != 1 or source.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model {source!r} not found: no such folder, and it is not an HF repo id (org/name)")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    try:
+        return Path(snapshot_download(source, revision=revision, local_files_only=True, allow_patterns=patterns))
+    except Exception:
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        raise ModelLoadError(f"model {source!r} is not in the local HF cache and HF_HUB_OFFLINE=1")
+    try:
+        return Path(snapshot_download(source, revision=revision, allow_patterns=patterns))
+    except Exception as e:
+        raise ModelLoadError(f"model {source!r} is not a local folder, not in the HF cache, and could not be "
+                             f"downloaded ({type(e).__name__})") from None
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors shards, checked to exist (single file or an index with its shards)."""
+    if not (model_dir / "config.json").is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json: not an HF model folder")
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError) as e:
+            raise ModelLoadError(f"{index} is corrupt: {e}") from None
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{model_dir} is missing weight shards: {', '.join(missing)}")
+        return [model_dir / n for n in names]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    others = sorted(model_dir.glob("*.safetensors"))
+    if others:
+        return others
+    if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pth")):
+        raise ModelLoadError(f"{model_dir} has only .bin/.pth weights; pagedchat loads safetensors only")
+    raise ModelLoadError(f"{model_dir} is missing model.safetensors (or model.safetensors.index.json)")
+
+
+def load_config(model_dir: Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {str(e).splitlines()[0]}") from None
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported architecture {arch!r} in {model_dir}; supported: "
+                             + ", ".join(SUPPORTED_ARCHITECTURES))
+    return config
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    has_files = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
+                                                        "tokenizer_config.json"))
+    if not has_files:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}") from None
+
+
+def eos_ids(model_dir: Path, config, tokenizer) -> list[int]:
+    ids: list[int] = []
+
+    def add(value):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        try:
+            add(json.loads(gen.read_text()).get("eos_token_id"))
+        except ValueError:
+            raise ModelLoadError(f"{gen} is not valid JSON") from None
+    add(getattr(config, "eos_token_id", None))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return ids
+
+
+def _param_target(name: str, spec: ArchSpec) -> tuple[str, int, int] | None:
+    """Checkpoint tensor name -> (our parameter, row offset, rows) for the fused projections."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if "rotary_emb" in name:
+        return None
+    q, kv, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
+    shards = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+              "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in shards:
+        fused, offset, rows = shards[parts[-2]]
+        return ".".join(parts[:-2] + [fused, parts[-1]]), offset, rows
+    return name, 0, -1
+
+
+def load_weights(model: LlamaFamilyModel, files: list[Path], show_progress: bool) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: dict[str, int] = {}
+    with _progress(files, show_progress) as advance:
+        for file in files:
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+                keys = list(handle.keys())
+            except Exception as e:
+                raise ModelLoadError(f"{file} is corrupt or truncated: {str(e).splitlines()[0]}") from None
+            for key in keys:
+                target = _param_target(key, model.spec)
+                if target is None:
+                    continue
+                name, offset, rows = target
+                if name == "lm_head.weight" and model.spec.tie_embeddings:
+                    continue
+                if name not in params:
+                    raise ModelLoadError(f"{file.name}: unexpected tensor {key!r} for this architecture")
+                try:
+                    tensor = handle.get_tensor(key)
+                except Exception as e:
+                    raise ModelLoadError(f"{file} is corrupt: {key}: {str(e).splitlines()[0]}") from None
+                param = params[name]
+                dest = param.data if rows < 0 else param.data.narrow(0, offset, rows)
+                if dest.shape != tensor.shape:
+                    raise ModelLoadError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
+                                         f"config expects {tuple(dest.shape)}")
+                dest.copy_(tensor)
+                loaded[name] = loaded.get(name, 0) + (tensor.shape[0] if rows >= 0 else param.shape[0])
+                advance(tensor.numel() * tensor.element_size())
+    skip = {"lm_head.weight"} if model.spec.tie_embeddings else set()
+    missing = [n for n, p in params.items() if n not in skip and loaded.get(n, 0) < p.shape[0]]
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+
+
+class _progress:
+    """A rich progress bar over the bytes of the weight files (silent when not on a terminal)."""
+
+    def __init__(self, files: list[Path], enabled: bool):
+        self.total = sum(f.stat().st_size for f in files)
+        self.enabled = enabled and self.total > 64 * 1024**2
+        self.bar = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda n: None
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+        self.bar = Progress(TextColumn("loading weights"), BarColumn(), DownloadColumn(),
+                            console=Console(stderr=True), transient=True)
+        self.bar.start()
+        task = self.bar.add_task("load", total=self.total)
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None,
+               revision: str | None = None, trust_remote_code: bool = False,
+               show_progress: bool = True) -> LoadedModel:
+    model_dir = find_model_dir(source, revision)
+    files = weight_files(model_dir)
+    config = load_config(model_dir, trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    spec = ArchSpec.from_hf(config)
+    limit = spec.max_positions
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True) and window < limit:
+        limit = window  # full attention equals sliding-window attention up to the window
+    if max_model_len is not None:
+        if max_model_len > limit:
+            raise ModelLoadError(f"max context {max_model_len} exceeds the model's limit of {limit} tokens")
+        limit = max_model_len
+    rotary = RotaryEmbedding(config, spec.head_dim, limit, device=dev)
+    with torch.device("meta"):
+        model = LlamaFamilyModel(spec, rotary).to(torch_dtype)
+    model = model.to_empty(device=dev)
+    model.tie_weights()
+    load_weights(model, files, show_progress)
+    model.eval().requires_grad_(False)
+    return LoadedModel(model_dir, config, spec, model, tokenizer, eos_ids(model_dir, config, tokenizer),
+                       limit, torch_dtype, dev)

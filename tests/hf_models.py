@@ -1,0 +1,76 @@
+"""Tiny random-init HF models of every supported architecture, saved as real HF folders for the tests.
+
+A larger init std than usual keeps the logits peaked, so greedy decoding rarely meets a near-tie.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+_CORPUS = ["the quick brown fox jumps over the lazy dog", "hello world, how are you today?",
+           "paged attention keeps every branch in one pool", "what is 17 + 25? it is 42.",
+           "a b c d e f g h i j k l m n o p q r s t u v w x y z 0 1 2 3 4 5 6 7 8 9"] * 4
+
+
+def build_tokenizer(path: Path, vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHATML
+    fast.save_pretrained(path)
+    return fast
+
+
+def make_config(arch: str, vocab_size: int = 320, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.3, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                  eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    if arch == "llama":
+        cfg = LlamaConfig(**{**common, "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0,
+                                                            "factor": 8.0, "low_freq_factor": 1.0,
+                                                            "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 64},
+                             **overrides})
+    elif arch == "mistral":
+        cfg = MistralConfig(**{**common, "num_key_value_heads": 1, "sliding_window": None, **overrides})
+    elif arch == "qwen2":
+        cfg = Qwen2Config(**{**common, "tie_word_embeddings": True, **overrides})
+    elif arch == "qwen3":
+        cfg = Qwen3Config(**{**common, "head_dim": 32, "num_attention_heads": 4, **overrides})
+    else:
+        raise ValueError(arch)
+    return cfg
+
+
+def build_model(arch: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides):
+    """Save a random model (and tokenizer) to `path`; return the HF model in fp32 eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if with_tokenizer:
+        build_tokenizer(path)
+    config = make_config(arch, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(path)
+    return model
