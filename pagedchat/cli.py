@@ -16,6 +16,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Chat, fork and compare LLM replies locally on one shared paged KV-cache pool."""
+
+
 # Modules that define sub-commands; each has `register(app)`. Heavy imports stay inside the commands.
 COMMAND_MODULES = ["run", "chat", "sessions", "models", "serve", "bench"]
 
@@ -56,15 +63,13 @@ def main() -> None:
     except (typer.Exit, SystemExit) as e:
         code = getattr(e, "exit_code", getattr(e, "code", 0))
         sys.exit(code or 0)
-    except Exception as e:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(e, click.exceptions.Abort):
+    except Exception as e:
+        # Usage errors come from click (or the copy typer vendors): recognise them by their class names.
+        names = {c.__name__ for c in type(e).__mro__}
+        if "Abort" in names:
             print("pagedchat: interrupted", file=sys.stderr)
             sys.exit(130)
-        if isinstance(e, click.ClickException):
-            if debug:
-                raise
+        if "ClickException" in names and not debug:
             e.show()
             sys.exit(e.exit_code)
         if debug:
@@ -72,7 +77,6 @@ def main() -> None:
         print(f"pagedchat: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)",
               file=sys.stderr)
         sys.exit(1)
-
 
 if __name__ == "__main__":
     main()

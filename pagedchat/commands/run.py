@@ -1,0 +1,165 @@
+"""`pagedchat run`: one-shot prompts from an argument, stdin or a JSONL batch file; -n variants; --json."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from pagedchat.commands import common
+from pagedchat.errors import UserError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", help="Answer one prompt (argument or stdin), or a --file batch, and exit.")(run)
+
+
+def run(
+    prompt: Optional[str] = typer.Argument(None, help="The prompt; read from stdin when omitted."),
+    model: Optional[str] = common.MODEL,
+    system: Optional[str] = common.SYSTEM,
+    raw: bool = typer.Option(False, "--raw", help="No chat template: encode the prompt as is."),
+    num_variants: int = typer.Option(1, "-n", "--num-variants", help="Variants sharing the prompt's KV."),
+    file: Optional[Path] = typer.Option(None, "--file", help="JSONL batch: one {\"prompt\": ...} per line."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    session: Optional[str] = typer.Option(None, "--session", help="Continue session NAME (created if new)."),
+    continue_last: bool = typer.Option(False, "-c", "--continue", help="Continue the most recent session."),
+    temperature: Optional[float] = common.TEMPERATURE,
+    top_p: Optional[float] = common.TOP_P,
+    top_k: Optional[int] = common.TOP_K,
+    min_p: Optional[float] = common.MIN_P,
+    repetition_penalty: Optional[float] = common.REPETITION_PENALTY,
+    max_tokens: Optional[int] = common.MAX_TOKENS,
+    seed: Optional[int] = common.SEED,
+    stop: Optional[list[str]] = common.STOP,
+    device: str = common.DEVICE,
+    dtype: Optional[str] = common.DTYPE,
+    block_size: int = common.BLOCK_SIZE,
+    kv_memory: Optional[str] = common.KV_MEMORY,
+    max_context: Optional[int] = common.MAX_CONTEXT,
+) -> None:
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
+    sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
+    if num_variants < 1:
+        raise UserError(f"-n must be >= 1, got {num_variants}")
+    if file is not None and prompt is not None:
+        raise UserError("give a prompt or --file, not both")
+    if session is not None or continue_last:
+        from pagedchat.chat.oneshot import run_in_session
+
+        text = prompt if prompt is not None else _read_stdin()
+        code = run_in_session(model_opts, sampling, text, session, continue_last, system, num_variants, as_json)
+        raise typer.Exit(code)
+    jobs = _read_batch(file) if file is not None else [{"prompt": prompt if prompt is not None else _read_stdin()}]
+    engine, entry = common.load_engine(model_opts, show_progress=not as_json)
+    default_system = system if system is not None else entry.get("system_prompt").value
+    requests = []
+    for i, job in enumerate(jobs):
+        overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
+        params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
+        params = params.with_(n=int(job.get("n", num_variants)))
+        text = job["prompt"]
+        ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
+        requests.append((ids, params))
+    code = _generate(engine, entry.name, requests, as_json, batch=file is not None)
+    raise typer.Exit(code)
+
+
+def _read_stdin() -> str:
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UserError("no prompt: pass one as an argument, on stdin, or use --file")
+    text = sys.stdin.read()
+    if not text.strip():
+        raise UserError("the prompt on stdin is empty")
+    return text.rstrip("\n")
+
+
+def _read_batch(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise UserError(f"cannot read --file {path}: {e.strerror}") from None
+    jobs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            job = json.loads(line)
+        except ValueError as e:
+            raise UserError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+        if not isinstance(job, dict) or not isinstance(job.get("prompt"), str):
+            raise UserError(f"{path}:{number}: each line must be an object with a string \"prompt\"")
+        jobs.append(job)
+    if not jobs:
+        raise UserError(f"{path} holds no prompts")
+    return jobs
+
+
+def _generate(engine, model_name: str, requests: list, as_json: bool, batch: bool) -> int:
+    start = time.perf_counter()
+    ids = [engine.add_request(p, params) for p, params in requests]
+    stream = not as_json and not batch and requests[0][1].n == 1
+    first_token_at = None
+    try:
+        while any(not engine.requests[r].finished for r in ids):
+            for event in engine.step():
+                first_token_at = first_token_at or time.perf_counter()
+                if stream and event.text:
+                    sys.stdout.write(event.text)
+                    sys.stdout.flush()
+    except KeyboardInterrupt:
+        for r in ids:
+            engine.abort(r)
+        raise
+    total = time.perf_counter() - start
+    outputs = [engine.pop_output(r) for r in ids]
+    if as_json:
+        print(json.dumps(_json_report(engine, model_name, outputs, batch, start, first_token_at, total)))
+    elif stream:
+        sys.stdout.write("\n")
+    else:
+        _print_plain(outputs, batch)
+    errors = [o.error for o in outputs if o.error]
+    for message in dict.fromkeys(errors):
+        print(f"pagedchat: error: {message}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _print_plain(outputs, batch: bool) -> None:
+    for i, out in enumerate(outputs):
+        for variant in out.outputs:
+            labels = ([f"prompt {i + 1}"] if batch else []) + ([f"variant {variant.index + 1}"]
+                                                              if len(out.outputs) > 1 else [])
+            if labels:
+                print(f"--- {' / '.join(labels)} ---")
+            print(variant.text)
+
+
+def _json_report(engine, model_name, outputs, batch, start, first_token_at, total) -> dict:
+    def result(out):
+        return {"outputs": [{"text": v.text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
+                            for v in out.outputs],
+                "usage": {"prompt_tokens": out.num_prompt_tokens,
+                          "completion_tokens": sum(len(v.token_ids) for v in out.outputs)}}
+
+    completion = sum(len(v.token_ids) for o in outputs for v in o.outputs)
+    ttft = (first_token_at - start) if first_token_at else None
+    decode_time = total - (ttft or 0)
+    pool = engine.pool.stats()
+    report = {"model": model_name}
+    if batch:
+        report["results"] = [result(o) for o in outputs]
+        report["usage"] = {"prompt_tokens": sum(o.num_prompt_tokens for o in outputs), "completion_tokens": completion}
+    else:
+        report.update(result(outputs[0]))
+    report["kv"] = {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
+                    "prefix_hit_tokens": pool.prefix_hit_tokens}
+    report["timing"] = {"ttft_s": ttft, "decode_tokens_per_s": (completion - len(outputs)) / decode_time
+                        if decode_time > 0 and completion > len(outputs) else None, "total_s": total}
+    if any(o.error for o in outputs):
+        report["errors"] = [o.error for o in outputs]
+    return report
