@@ -29,11 +29,9 @@ except ImportError:  # CPU-only install without the `gpu` extra
     HAS_TRITON = False
 
 if HAS_TRITON:
-    try:  # TEMPORARY until the Triton kernels land
-        from .triton_attention import paged_decode_attention_triton, paged_prefill_attention_triton
-        from .triton_cache import copy_blocks_triton, write_kv_triton
-    except ImportError:
-        HAS_TRITON = False
+    from .triton_attention import paged_decode_attention_triton, paged_prefill_attention_triton
+    from .triton_cache import copy_blocks_triton, write_kv_triton
+    from ._launch import interpreting
 
 __all__ = [
     "HAS_TRITON",
@@ -50,6 +48,9 @@ __all__ = [
     "write_kv",
     "write_kv_ref",
 ]
+if HAS_TRITON:
+    __all__ += ["copy_blocks_triton", "paged_decode_attention_triton", "paged_prefill_attention_triton",
+                "write_kv_triton"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _default_backend = "auto"
@@ -64,7 +65,9 @@ def set_default_backend(backend: str) -> None:
 
 
 def triton_interpret_enabled() -> bool:
-    """True when TRITON_INTERPRET asks for the Triton interpreter (read at call time)."""
+    """True when TRITON_INTERPRET asks for the Triton interpreter (read at call time, as Triton does)."""
+    if HAS_TRITON:
+        return interpreting()
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
@@ -80,20 +83,27 @@ def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
     return backend
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, backend=None):
-    """q [B, Hq, D] attends to its paged context -> out [B, Hq, D] (a zero-length row gives zeros)."""
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, backend=None):
+    """q [B, Hq, D] attends to its paged context -> [B, Hq, D] (a zero-length row gives zeros).
+
+    `out` (optional, shape and dtype of q) receives the result and is returned: every row is written.
+    """
     if resolve_backend(backend, q) == "triton":
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *,
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *, out=None,
                             backend=None):
-    """Causal attention of each sequence's new tokens (the last ones of its context) -> [total_q, Hq, D]."""
+    """Causal attention of each sequence's new tokens (the last ones of its context) -> [total_q, Hq, D].
+
+    `out` (optional) receives the result; rows outside every sequence's query range are unspecified.
+    """
     if resolve_backend(backend, q) == "triton":
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                              scale)
-    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+                                              scale, out)
+    return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
+                                       out)
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None) -> None:

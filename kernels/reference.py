@@ -71,29 +71,46 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
     group = num_q_heads // num_kv_heads
-    max_len = int(seq_lens.max()) if batch > 0 else 0
+    lens = seq_lens.to(q.device).long()
+    max_len = int(lens.max()) if batch > 0 else 0
     if max_len == 0:
-        return torch.zeros_like(q)
+        return _into(out, torch.zeros_like(q))
     acc = compute_dtype(q.dtype)
-    # Pad every sequence to the longest one and mask: one batched call instead of a loop.
-    k = _heads_major(gather_kv(k_cache, block_tables, max_len), acc)  # [B, Hkv, L, D]
-    v = _heads_major(gather_kv(v_cache, block_tables, max_len), acc)
+    # Pad every sequence to the longest one and mask: one batched call instead of a loop. Table
+    # entries past a sequence's own blocks may be garbage: point them at block 0.
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_blocks].to(q.device).long()
+    owned = torch.arange(num_blocks, device=q.device) < (lens[:, None] + block_size - 1) // block_size
+    table = torch.where(owned, table, torch.zeros_like(table))
+    k = _heads_major(gather_kv(k_cache, table, max_len), acc)  # [B, Hkv, L, D]
+    v = _heads_major(gather_kv(v_cache, table, max_len), acc)
+    # Slots past a sequence's length hold anything (NaN included); a zero weight times NaN is NaN.
+    past_end = torch.arange(max_len, device=q.device) >= lens[:, None]  # [B, L]
+    v = v.masked_fill(past_end[:, None, :, None], 0)
     qg = q.to(acc).view(batch, num_kv_heads, group, 1, head_dim)  # query heads grouped by KV head
-    num_visible = seq_lens.to(q.device).long().view(batch, 1)  # [B, M=1]
-    out = masked_attention(qg, k, v, scale, num_visible)  # [B, Hkv, G, 1, D]
-    return out.reshape(batch, num_q_heads, head_dim).to(q.dtype)
+    o = masked_attention(qg, k, v, scale, lens.view(batch, 1))  # [B, Hkv, G, 1, D]
+    return _into(out, o.reshape(batch, num_q_heads, head_dim).to(q.dtype))
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """Return `result`, copied into the caller's `out` buffer when one is given."""
+    if out is None:
+        return result
+    assert out.shape == result.shape and out.dtype == result.dtype
+    return out.copy_(result)
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                seq_lens: torch.Tensor, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (new tokens included).
 
     q [total_q, Hq, D]; sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1], which are the LAST
@@ -104,7 +121,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     assert num_q_heads % num_kv_heads == 0, "Hq must be a multiple of Hkv"
     group = num_q_heads // num_kv_heads
     acc = compute_dtype(q.dtype)
-    out = torch.zeros_like(q)
+    result = torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     assert len(starts) == len(lens) + 1, "cu_seqlens_q must have B+1 entries"
@@ -124,9 +141,9 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
             qg = qs.view(c1 - c0, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)  # [Hkv, G, M, D]
             num_visible = torch.arange(c0, c1, device=q.device) + (ctx_len - num_new + 1)
             o = masked_attention(qg, k, v, scale, num_visible)  # [Hkv, G, M, D]
-            out[q_start + c0:q_start + c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, num_q_heads,
+            result[q_start + c0:q_start + c1] = o.permute(2, 0, 1, 3).reshape(c1 - c0, num_q_heads,
                                                                           head_dim).to(q.dtype)
-    return out
+    return _into(out, result)
 
 
 def _flat_slots(cache: torch.Tensor) -> torch.Tensor:
