@@ -1,0 +1,36 @@
+"""`pagedchat serve`: an OpenAI-compatible local server on the same engine and KV pool as chat and run."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from pagedchat.commands import common
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve", help="Serve the OpenAI API (/v1/chat/completions, /v1/completions) on one shared "
+                              "KV pool: concurrent clients share prompts through the prefix cache.")(serve)
+
+
+def serve(
+    model: Optional[str] = common.MODEL,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default loopback only; use "
+                                                         "0.0.0.0 to accept other machines, with --api-key)."),
+    port: int = typer.Option(8000, "--port", help="TCP port (0 = any free port)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="PAGEDCHAT_API_KEY",
+                                          help="Require `Authorization: Bearer KEY` (env PAGEDCHAT_API_KEY)."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name",
+                                                    help="Model id shown to clients (default: the -m name)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log every request (uvicorn access log)."),
+    device: str = common.DEVICE,
+    dtype: Optional[str] = common.DTYPE,
+    block_size: int = common.BLOCK_SIZE,
+    kv_memory: Optional[str] = common.KV_MEMORY,
+    max_context: Optional[int] = common.MAX_CONTEXT,
+) -> None:
+    from pagedchat.serve.server import run_server
+
+    opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
+    run_server(opts, host, port, api_key, served_model_name, verbose)

@@ -1,0 +1,355 @@
+"""The OpenAI-compatible HTTP API: chat and text completions (streaming or not), models, health, stats.
+
+Every request becomes engine requests in the one AsyncEngine; handlers only translate between the wire
+format and TokenEvents/RequestOutputs. A client that goes away has its requests aborted at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedchat.engine import SamplingParams
+from pagedchat.errors import UserError
+from pagedchat.serve.async_engine import AsyncEngine, Done, GroupFailed, RequestGroup, Token
+from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_messages,
+                                      check_extra_fields, completion_prompts, error_payload, stop_strings,
+                                      validation_error)
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+
+
+@dataclass
+class ServeSettings:
+    model_name: str                                   # the id clients see in /v1/models and responses
+    accepted_models: set[str] = field(default_factory=set)   # aliases and paths also accepted as `model`
+    api_key: str | None = None
+    sampling_defaults: dict = field(default_factory=dict)    # models.toml / generation_config.json
+    system_prompt: str | None = None                  # used when a chat request has no system message
+    template_kwargs: dict | None = None
+
+
+def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
+    started = int(time.time())
+    accepted = {settings.model_name, *settings.accepted_models}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        aengine.start()
+        try:
+            yield
+        finally:
+            aengine.stop()
+
+    app = FastAPI(title="pagedchat", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _install_error_handlers(app)
+
+    async def require_key(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the key "
+                                "given to `pagedchat serve --api-key`.", code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name not in accepted:
+            raise APIError(404, f"The model `{name}` does not exist: this server serves "
+                                f"`{settings.model_name}`.", param="model", code="model_not_found")
+
+    def model_card() -> dict:
+        return {"id": settings.model_name, "object": "model", "created": started, "owned_by": "pagedchat"}
+
+    # -- plain endpoints ------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not aengine.alive:
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=[Depends(require_key)])
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=[Depends(require_key)])
+    async def get_model(model: str):
+        check_model(model)
+        return model_card()
+
+    @app.get("/v1/pagedchat/stats", dependencies=[Depends(require_key)])
+    @app.get("/stats", dependencies=[Depends(require_key)], include_in_schema=False)
+    async def stats():
+        engine_stats, counters = await aengine.call(lambda engine: (engine.stats(), asdict(aengine.counters)))
+        pool = engine_stats.pool
+        return {
+            "model": settings.model_name,
+            "pool": {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
+                     "capacity_tokens": pool.num_blocks * pool.block_size, "used": pool.used, "free": pool.free,
+                     "cached": pool.cached, "shared": pool.shared, "peak_used": pool.peak_used,
+                     "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,
+                     "prefix_hit_rate": round(pool.prefix_hit_rate, 4), "cow_copies": pool.cow_copies},
+            "running": engine_stats.running, "waiting": engine_stats.waiting,
+            "pinned": engine_stats.pinned, "preemptions": engine_stats.preemptions,
+            "requests": counters,
+        }
+
+    # -- generation -----------------------------------------------------------------------------------------
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        check_extra_fields(body)
+        messages = chat_messages(body)
+        if settings.system_prompt and not any(m["role"] == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": settings.system_prompt})
+        params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, settings)
+
+        def prompt_ids(engine) -> list[int]:
+            from pagedchat.commands.common import render_chat
+
+            return _checked(engine, render_chat(engine, messages, settings.template_kwargs), "messages")
+
+        group = await _submit(aengine, [prompt_ids], params)
+        reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _EventStream(reply.stream(group, include_usage), group)
+        outputs = await _collect(group, request)
+        return reply.full(outputs) if outputs is not None else Response(status_code=499)
+
+    @app.post("/v1/completions", dependencies=[Depends(require_key)])
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        check_extra_fields(body)
+        params = _sampling_params(body, body.max_tokens, settings)
+
+        def raw_ids(prompt):
+            def build(engine) -> list[int]:
+                ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                return _checked(engine, ids, "prompt")
+            return build
+
+        group = await _submit(aengine, [raw_ids(p) for p in completion_prompts(body)], params)
+        reply = _Reply("cmpl", settings.model_name, body.n, chat=False)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _EventStream(reply.stream(group, include_usage), group)
+        outputs = await _collect(group, request)
+        return reply.full(outputs) if outputs is not None else Response(status_code=499)
+
+    app.state.aengine = aengine
+    app.state.settings = settings
+    return app
+
+
+# -- request -> engine ------------------------------------------------------------------------------------------
+def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> SamplingParams:
+    """Request fields over the model's defaults (models.toml, generation_config.json). The model's own stop
+    strings stay in force; the request's are added to them."""
+    values = {k: v for k, v in settings.sampling_defaults.items() if k != "stop"}
+    values.update({k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None})
+    if values.get("top_k") == -1:
+        values["top_k"] = 0
+    if max_tokens is not None:
+        values["max_tokens"] = max_tokens
+    stops = stop_strings(settings.sampling_defaults.get("stop")) + stop_strings(body.stop)
+    try:
+        return SamplingParams(**values, stop=list(dict.fromkeys(stops)), n=body.n, ignore_eos=body.ignore_eos)
+    except UserError as e:
+        raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def _checked(engine, ids: list[int], param: str) -> list[int]:
+    """Context and pool limits as OpenAI's context_length_exceeded (runs on the loop thread)."""
+    limit = engine.max_model_len
+    if len(ids) >= limit:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {param} "
+                            f"resulted in {len(ids)} tokens (at least one token must be left for the reply).",
+                       param=param, code="context_length_exceeded")
+    pool = engine.pool
+    if engine.scheduler.blocks_for(len(ids) + 1) > pool.num_blocks:
+        raise APIError(400, f"The prompt is {len(ids)} tokens but the server's whole KV pool holds "
+                            f"{pool.num_blocks * pool.block_size} tokens (restart it with a larger --kv-memory).",
+                       param=param, code="context_length_exceeded")
+    return ids
+
+
+async def _submit(aengine: AsyncEngine, prompts, params: SamplingParams) -> RequestGroup:
+    """Queue the prompts; errors raised while building or adding them become 400s (nothing is queued)."""
+    try:
+        return await aengine.add(prompts, params)
+    except APIError:
+        raise
+    except UserError as e:
+        raise APIError(400, str(e)) from None
+    except Exception as e:
+        if type(e).__module__.startswith("jinja2"):   # the chat template rejected the messages
+            raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None
+        if isinstance(e, RuntimeError) and not aengine.alive:
+            raise APIError(503, "the server is shutting down", type="server_error") from None
+        raise
+
+
+async def _collect(group: RequestGroup, request: Request):
+    """Wait for every output of a non-streaming call; None (and the requests aborted) if the client leaves."""
+    async def drain():
+        async for _ in group:
+            pass
+        return group.outputs
+
+    work = asyncio.ensure_future(drain())
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            group.abort()
+    if not work.done() or work.cancelled():
+        return None
+    try:
+        return work.result()
+    except GroupFailed as e:
+        raise APIError(e.failure.status, e.failure.message, type="server_error", code=e.failure.code) from None
+    finally:
+        group.abort()        # no-op when complete; drops the group from the open set
+
+
+async def _disconnected(request: Request) -> None:
+    """Return when the client closes the connection (the body has been read, so receive() only reports
+    the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- engine -> response -----------------------------------------------------------------------------------------
+class _Reply:
+    """Builds the response body (or the SSE chunks) of one call from its outputs."""
+
+    def __init__(self, prefix: str, model: str, n: int, chat: bool):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model, self.n, self.chat = model, n, chat
+        self.object = "chat.completion" if chat else "text_completion"
+
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, delta: bool = False) -> dict:
+        if not self.chat:
+            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if delta:
+            return {"index": index, "delta": {"content": text} if text is not None else {}, "logprobs": None,
+                    "finish_reason": finish_reason}
+        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": None, "finish_reason": finish_reason}
+
+    def full(self, outputs) -> dict:
+        _raise_output_error(outputs)
+        choices = [self._choice(slot * self.n + c.index, c.text, _finish(c.finish_reason))
+                   for slot, out in enumerate(outputs) for c in out.outputs]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": _usage(outputs), "system_fingerprint": None}
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "system_fingerprint": None}
+        if usage is not None:
+            body["usage"] = usage
+        return _sse(body)
+
+    async def stream(self, group: RequestGroup, include_usage: bool):
+        slots = len(group.outputs)
+        if self.chat:   # OpenAI opens every choice with its role
+            yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(slots * self.n)])
+        try:
+            async for item in group:
+                if isinstance(item, Done) and item.output.error:
+                    yield _sse(error_payload(item.output.error, code="kv_pool_exhausted"))
+                    break
+                if not isinstance(item, Token) or item.event.finish_reason == "error":
+                    continue
+                event, index = item.event, item.slot * self.n + item.event.index
+                if event.text:
+                    yield self._chunk([self._choice(index, event.text, None, delta=True)])
+                if event.finish_reason:
+                    yield self._chunk([self._choice(index, None if self.chat else "", _finish(event.finish_reason),
+                                                    delta=True)])
+            else:
+                if include_usage:
+                    yield self._chunk([], usage=_usage(group.outputs))
+        except GroupFailed as e:
+            yield _sse(error_payload(e.failure.message, type="server_error", code=e.failure.code))
+        yield "data: [DONE]\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose requests are aborted however the response ends (client gone, cancelled
+    before the first chunk, server stopping)."""
+
+    def __init__(self, chunks, group: RequestGroup):
+        super().__init__(chunks, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.group = group
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.group.abort()
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _finish(reason: str | None) -> str | None:
+    return reason if reason in ("stop", "length") else reason and "stop"
+
+
+def _usage(outputs) -> dict:
+    prompt = sum(o.num_prompt_tokens for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.prefix_hit_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _raise_output_error(outputs) -> None:
+    for out in outputs:
+        if out.error:
+            raise APIError(400, out.error, code="kv_pool_exhausted")
+
+
+# -- errors in OpenAI's shape -----------------------------------------------------------------------------------
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError):
+        return JSONResponse(exc.payload(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError):
+        error = validation_error(list(exc.errors()))
+        return JSONResponse(error.payload(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"Unknown request URL: {request.method} {request.url.path}."
+            return JSONResponse(error_payload(message, code="unknown_url"), status_code=404)
+        return JSONResponse(error_payload(str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception):
+        return JSONResponse(error_payload(f"internal error: {type(exc).__name__}: {exc}", type="server_error"),
+                            status_code=500)

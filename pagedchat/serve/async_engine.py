@@ -1,0 +1,263 @@
+"""The engine behind the server: one thread drives Engine.step(); HTTP handlers talk to it by commands.
+
+The engine is not thread-safe, so every touch of it (add, abort, stats) is a command that the loop thread
+runs between steps. The requests of one HTTP call form a RequestGroup; their token events come back to the
+event loop on the group's asyncio queue via `call_soon_threadsafe`. Every request goes through the one
+loop, so batching is continuous: a new request joins the running batch at the next step. When there is
+nothing to do the thread sleeps on a condition variable (no busy-wait).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from pagedchat.engine import Engine, RequestOutput, SamplingParams, TokenEvent
+
+log = logging.getLogger("pagedchat.serve")
+
+
+# -- what a group's queue carries (lists of these, one list per engine step) ----------------------------------
+@dataclass
+class Token:
+    slot: int            # which prompt of the call
+    event: TokenEvent
+
+
+@dataclass
+class Done:
+    slot: int
+    output: RequestOutput
+
+
+@dataclass
+class Failure:
+    message: str
+    status: int = 500
+    code: str | None = None
+
+
+class GroupFailed(Exception):
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class RequestGroup:
+    """The engine requests of one HTTP call. Iterate it (on the event loop) for Token and Done items."""
+
+    _ids = itertools.count()
+
+    def __init__(self, owner: "AsyncEngine", size: int):
+        self.owner = owner
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[list] = asyncio.Queue()
+        self.name = f"g{next(self._ids)}"
+        self.request_ids: list[str | None] = [None] * size   # written by the loop thread
+        self.outputs: list[RequestOutput | None] = [None] * size
+        self.complete = False
+
+    async def __aiter__(self):
+        pending = sum(o is None for o in self.outputs)
+        while pending:
+            for item in await self.queue.get():
+                if isinstance(item, Failure):
+                    self.complete = True          # the engine side already dropped its requests
+                    raise GroupFailed(item)
+                if isinstance(item, Done):
+                    self.outputs[item.slot] = item.output
+                    pending -= 1
+                yield item
+        self.complete = True
+
+    def abort(self) -> None:
+        """Stop this call's requests now and free their blocks (no-op once they finished). Never blocks, so
+        it is safe in `finally` blocks of cancelled tasks."""
+        if not self.complete:
+            self.complete = True
+            self.owner.submit(lambda engine: self.owner._abort_group(engine, self))
+        self.owner._open.discard(self)
+
+    def _push(self, items: list) -> None:
+        """Called from the loop thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, items)
+        except RuntimeError:      # the event loop is closed (server shut down): nobody is listening
+            pass
+
+
+@dataclass
+class Counters:
+    requests: int = 0        # engine requests accepted
+    aborted: int = 0         # stopped early because the client went away (or the server stopped)
+    failed: int = 0          # ended by an error
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.counters = Counters()
+        self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._slots: dict[str, tuple[RequestGroup, int]] = {}   # request id -> (group, slot); loop thread only
+        self._open: set[RequestGroup] = set()                   # groups being served; event loop only
+        self._thread = threading.Thread(target=self._run, name="pagedchat-engine", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the loop thread; call it on the event loop that will serve the requests."""
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def close_open_groups(self, message: str = "the server is shutting down") -> None:
+        """On the event loop: end every call being served with an error (used on Ctrl-C so that open
+        streams finish at once instead of holding the shutdown)."""
+        for group in list(self._open):
+            group.queue.put_nowait([Failure(message, 503, "server_shutting_down")])
+            group.abort()
+
+    # -- commands (any thread) ------------------------------------------------------------------------------
+    def submit(self, fn: Callable[[Engine], object]) -> concurrent.futures.Future:
+        """Run fn(engine) on the loop thread between two steps; its result arrives on the future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._wake:
+            if self._stopping:
+                future.set_exception(RuntimeError("the engine loop has stopped"))
+                return future
+            self._commands.append((fn, future))
+            self._wake.notify()
+        return future
+
+    async def call(self, fn: Callable[[Engine], object]):
+        return await asyncio.wrap_future(self.submit(fn))
+
+    async def add(self, prompts: list[Callable[[Engine], list[int]]], params: SamplingParams) -> RequestGroup:
+        """Queue one engine request per prompt (each a callable building token ids on the loop thread, where
+        the tokenizer lives). Raises the engine's errors (too long, bad ids) before anything is queued."""
+        group = RequestGroup(self, len(prompts))
+        try:
+            await self.call(lambda engine: self._add_group(engine, group, prompts, params))
+        except asyncio.CancelledError:
+            group.abort()       # the add may still run: the abort command is queued behind it
+            raise
+        self._open.add(group)
+        return group
+
+    # -- the loop thread ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                    self._wake.wait()
+                if self._stopping:
+                    break
+                commands, self._commands = self._commands, deque()
+            for fn, future in commands:
+                self._run_command(fn, future)
+            if self.engine.has_unfinished():
+                self._step()
+        self._shutdown()
+
+    def _run_command(self, fn, future: concurrent.futures.Future) -> None:
+        if not future.set_running_or_notify_cancel():
+            return                      # the caller gave up before it ran
+        try:
+            future.set_result(fn(self.engine))
+        except Exception as e:          # user errors travel back to the HTTP handler that asked
+            future.set_exception(e)
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as e:  # a bug or a device error: fail the calls in flight, keep serving
+            log.exception("engine step failed")
+            self._fail_all(Failure(f"engine error: {type(e).__name__}: {e}", 500, "engine_error"))
+            return
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[TokenEvent]) -> None:
+        batches: dict[RequestGroup, list] = {}
+        ended: list[str] = []
+        for event in events:
+            owner = self._slots.get(event.request_id)
+            if owner is None:
+                continue
+            group, slot = owner
+            batches.setdefault(group, []).append(Token(slot, event))
+            if event.finish_reason is not None:
+                ended.append(event.request_id)
+        for rid in dict.fromkeys(ended):
+            request = self.engine.requests.get(rid)
+            if request is None or not request.finished:
+                continue
+            group, slot = self._slots.pop(rid)
+            output = self.engine.pop_output(rid)
+            self.counters.failed += output.error is not None
+            batches.setdefault(group, []).append(Done(slot, output))
+        for group, items in batches.items():
+            group._push(items)
+
+    def _add_group(self, engine: Engine, group: RequestGroup, prompts, params: SamplingParams) -> None:
+        token_ids = [prepare(engine) for prepare in prompts]   # template/tokenizer errors: nothing added yet
+        try:
+            for slot, ids in enumerate(token_ids):
+                rid = engine.add_request(ids, params, request_id=f"{group.name}-{slot}")
+                group.request_ids[slot] = rid
+                self._slots[rid] = (group, slot)
+                self.counters.requests += 1
+        except BaseException:
+            self._drop(engine, group)
+            raise
+
+    def _abort_group(self, engine: Engine, group: RequestGroup) -> None:
+        self.counters.aborted += self._drop(engine, group)
+
+    def _drop(self, engine: Engine, group: RequestGroup) -> int:
+        """Abort and forget the group's live requests (frees their blocks); returns how many there were."""
+        dropped = 0
+        for rid in group.request_ids:
+            if rid is not None and self._slots.pop(rid, None) is not None:
+                engine.abort(rid)
+                engine.pop_output(rid)
+                dropped += 1
+        return dropped
+
+    def _fail_all(self, failure: Failure) -> None:
+        groups = {group for group, _ in self._slots.values()}
+        for group in groups:
+            try:
+                self.counters.failed += self._drop(self.engine, group)
+            except Exception:
+                log.exception("aborting after an engine error failed")
+            group._push([failure])
+        self._slots.clear()
+
+    def _shutdown(self) -> None:
+        with self._wake:
+            commands, self._commands = self._commands, deque()
+        for _, future in commands:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("the engine loop has stopped"))
+        self._fail_all(Failure("the server is shutting down", 503, "server_shutting_down"))

@@ -1,0 +1,202 @@
+"""The OpenAI wire format: request models, the error shape, and which OpenAI fields we accept.
+
+Requests are validated by pydantic; fields pydantic does not declare land in `model_extra` and are sorted
+here: harmless ones are ignored, unsupported ones are accepted only at their no-op value (0, null, false,
+empty), and anything else is rejected the way OpenAI does ("Unrecognized request argument supplied").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def payload(self) -> dict:
+        return error_payload(self.message, self.type, self.param, self.code)
+
+
+def error_payload(message: str, type: str = "invalid_request_error", param: str | None = None,
+                  code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# -- requests ---------------------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: Optional[bool] = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by chat and text completions. Extensions (vLLM-style): top_k, min_p,
+    repetition_penalty, ignore_eos."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    n: int = Field(1, ge=1, le=128)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)          # -1 or 0 = off
+    min_p: Optional[float] = Field(None, ge=0, lt=1)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")   # name, refusal, ... are ignored; tool_calls is checked
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+
+
+class CompletionRequest(_GenerationRequest):
+    # A string, a list of strings (a batch), token ids, or a list of token-id lists (a batch).
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+
+
+# -- fields OpenAI defines that we do not implement -----------------------------------------------------------
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                  "safety_identifier"}
+
+
+def _none_or(*values):
+    return lambda v: v is None or any(v == ok and type(v) is type(ok) for ok in values)
+
+
+# field -> (is the value a no-op?, hint shown when it is not)
+NOOP_FIELDS: dict[str, tuple[Any, str]] = {
+    "presence_penalty": (_none_or(0, 0.0), "only 0 is supported; use repetition_penalty instead"),
+    "frequency_penalty": (_none_or(0, 0.0), "only 0 is supported; use repetition_penalty instead"),
+    "logprobs": (_none_or(False, 0), "logprobs are not supported"),
+    "top_logprobs": (_none_or(0), "logprobs are not supported"),
+    "logit_bias": (_none_or({}), "logit_bias is not supported"),
+    "tools": (_none_or([]), "tool calling is not supported"),
+    "tool_choice": (_none_or("none", "auto"), "tool calling is not supported"),
+    "functions": (_none_or([]), "function calling is not supported"),
+    "function_call": (_none_or("none", "auto"), "function calling is not supported"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "only {\"type\": \"text\"} is supported"),
+    "modalities": (_none_or(["text"]), "only text is supported"),
+    "audio": (_none_or(), "audio output is not supported"),
+    "prediction": (_none_or(), "predicted outputs are not supported"),
+    "web_search_options": (_none_or(), "web search is not supported"),
+    "reasoning_effort": (_none_or(), "reasoning_effort is not supported"),
+    "verbosity": (_none_or(), "verbosity is not supported"),
+    "echo": (_none_or(False), "echo is not supported"),
+    "suffix": (_none_or(""), "suffix (insertion) is not supported"),
+    "best_of": (None, "best_of must equal n"),       # checked against n below
+}
+
+
+def check_extra_fields(request: _GenerationRequest) -> None:
+    """Reject fields we cannot honour, naming the field (OpenAI's own wording for unknown ones)."""
+    for name, value in (request.model_extra or {}).items():
+        if name in IGNORED_FIELDS:
+            continue
+        if name == "best_of":
+            if value is not None and value != request.n:
+                raise APIError(400, f"best_of={value} is not supported: best_of must equal n", param=name)
+            continue
+        rule = NOOP_FIELDS.get(name)
+        if rule is None:
+            raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name)
+        is_noop, hint = rule
+        if not is_noop(value):
+            raise APIError(400, f"{name}={value!r} is not supported by pagedchat serve: {hint}", param=name)
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict]:
+    """The request's messages as plain {"role", "content"} dicts for the chat template."""
+    out = []
+    for i, message in enumerate(request.messages):
+        extra = message.model_extra or {}
+        if extra.get("tool_calls") or extra.get("function_call") or message.role in ("tool", "function"):
+            raise APIError(400, f"messages[{i}]: tool and function messages are not supported",
+                           param=f"messages[{i}]")
+        role = "system" if message.role == "developer" else message.role
+        out.append({"role": role, "content": _message_text(message.content, i)})
+    return out
+
+
+def _message_text(content, i: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for j, part in enumerate(content):
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"messages[{i}].content[{j}]: only text content parts are supported "
+                                f"(got type {part.get('type')!r})", param=f"messages[{i}].content[{j}]")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
+    """The prompt field as a batch: each item is text (encoded raw) or token ids."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if any(not p for p in prompt):
+        raise APIError(400, "prompt must not contain empty prompts", param="prompt")
+    return list(prompt)
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+# Fields typed as unions: pydantic reports one error per member, so say once what is allowed instead.
+_UNION_FIELDS = {
+    "prompt": "must be a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "must be a string or a list of strings",
+    "content": "must be a string or a list of {\"type\": \"text\", \"text\": ...} parts",
+}
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """A pydantic/FastAPI validation error as one clear 400 naming the first bad field."""
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"request body is not valid JSON: {first.get('msg')}")
+    path, union = [], False
+    for part in first.get("loc", ()):
+        if part == "body":
+            continue
+        if isinstance(part, str) and (part in _TYPE_NAMES or "[" in part):
+            union = True            # a union member's name, not a field
+            break
+        path.append(part)
+    param = ""
+    for part in path:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    if not param:
+        return APIError(400, f"invalid request body: {first.get('msg')}")
+    field = next((p for p in reversed(path) if isinstance(p, str)), "")
+    message = _UNION_FIELDS.get(field) if union else None
+    return APIError(400, f"{param}: {message or first.get('msg')}", param=param)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict"}
