@@ -70,7 +70,7 @@ def build_model(arch: str, path: Path, seed: int = 0, with_tokenizer: bool = Tru
         build_tokenizer(path)
     config = make_config(arch, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
     model.save_pretrained(path)
     return model

@@ -33,6 +33,7 @@ class EngineConfig:
     block_size: int = 16
     kv_memory: int | None = None    # bytes for the KV pool; None = fraction of free memory
     kv_fraction: float = 0.9        # of free device memory after weights and a profiled forward (CUDA)
+    num_blocks: int | None = None   # exact pool size in blocks (tests, benchmarks); overrides kv_memory
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 256         # running sequences per step
     max_num_batched_tokens: int = 2048  # per-step token budget; prefill is chunked to fit it

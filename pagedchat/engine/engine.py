@@ -83,14 +83,17 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, show_progress: bool = True):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, show_progress: bool = True,
+                 runner=None):
+        """`runner` replaces the model runner (property tests and memory benchmarks drive the real
+        scheduling without a model); it needs `num_blocks` and `run(batch) -> (logits, sequences)`."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.device, config.dtype, config.max_model_len,
                                            trust_remote_code=config.trust_remote_code, show_progress=show_progress)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = set(self.loaded.eos_token_ids)
         self.max_model_len = self.loaded.max_model_len
-        self.runner = ModelRunner(self.loaded, config)
+        self.runner = runner or ModelRunner(self.loaded, config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
@@ -141,6 +144,27 @@ class Engine:
         vocab = self.loaded.spec.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"token ids must be in [0, {vocab})")
+
+    def fork(self, handle: Sequence, params: SamplingParams | None = None, keep: bool = False,
+             request_id: str | None = None) -> str:
+        """A new request continuing a running or pinned sequence from its current tokens. The child shares
+        every block; the first write into the shared partial block copies that one block."""
+        assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
+        params = (params or handle.request.params).with_(n=1)
+        request_id = request_id or f"req-{next(self._ids)}"
+        request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
+        child = Sequence(request, 0, handle.token_ids)
+        child.block_table = self.pool.fork_table(handle.block_table)
+        child.block_hashes = list(handle.block_hashes)
+        child.num_computed = handle.num_computed
+        child.generator = variant_generator(params.seed, 0, self.device)
+        request.sequences.append(child)
+        request.prefix_hit_tokens = child.num_computed
+        self.requests[request_id] = request
+        if handle.status == SeqStatus.PINNED:
+            self.scheduler.touch_pin(handle)
+        self.scheduler.add_running(child)
+        return request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks (pinned variants included)."""

@@ -35,6 +35,9 @@ class ModelRunner:
         self.backend = backend
 
     def _num_blocks(self, config: EngineConfig) -> int:
+        if config.num_blocks is not None:
+            assert config.num_blocks > 0
+            return config.num_blocks
         budget = config.kv_memory
         if budget is None:
             budget = self._free_memory_budget(config) if self.device.type == "cuda" else CPU_DEFAULT_KV_BYTES

@@ -1,0 +1,54 @@
+"""A model-free runner: it records which token each KV slot holds, so tests can prove that sharing,
+copy-on-write, prefix reuse and preemption never put the wrong token's KV under a sequence."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from pagedchat.engine import Engine, EngineConfig
+
+EOS = 1
+
+
+class ContentRunner:
+    def __init__(self, num_blocks: int, block_size: int, vocab: int, pool_getter):
+        self.num_blocks, self.block_size, self.vocab = num_blocks, block_size, vocab
+        self.content = [[None] * block_size for _ in range(num_blocks)]
+        self.pool = pool_getter
+        gen = torch.Generator().manual_seed(0)
+        self.table = torch.randn(vocab, vocab, generator=gen)  # logits depend on the last token only
+
+    def run(self, batch):
+        pool = self.pool()
+        for src, dst in batch.copies:
+            self.content[dst] = list(self.content[src])
+        samplers, rows = [], []
+        for seq, n in batch.items:
+            for p in range(seq.num_computed, seq.num_computed + n):
+                block = seq.block_table[p // self.block_size]
+                assert pool.ref_count[block] == 1, f"write into shared block {block} (refcount {pool.ref_count[block]})"
+                self.content[block][p % self.block_size] = seq.token_ids[p]
+            if seq.num_computed + n == seq.num_tokens:
+                samplers.append(seq)
+                rows.append(seq.token_ids[-1])
+        if not samplers:
+            return None, []
+        return self.table[torch.tensor(rows)], samplers
+
+    def check_sequence(self, seq) -> None:
+        for p in range(seq.num_computed):
+            got = self.content[seq.block_table[p // self.block_size]][p % self.block_size]
+            assert got == seq.token_ids[p], f"{seq}: slot of token {p} holds {got}, expected {seq.token_ids[p]}"
+
+
+def fake_engine(num_blocks=32, block_size=8, vocab=24, max_model_len=256, **config) -> tuple[Engine, ContentRunner]:
+    loaded = SimpleNamespace(tokenizer=None, eos_token_ids=[EOS], max_model_len=max_model_len,
+                             spec=SimpleNamespace(vocab_size=vocab), device=torch.device("cpu"), path="fake")
+    holder = {}
+    runner = ContentRunner(num_blocks, block_size, vocab, lambda: holder["engine"].pool)
+    engine = Engine(EngineConfig(model="fake", block_size=block_size, num_blocks=num_blocks, **config),
+                    loaded=loaded, runner=runner)
+    holder["engine"] = engine
+    return engine, runner
