@@ -1,0 +1,144 @@
+"""What every benchmark shares: seeded length draws, percentiles, process memory, rich tables, JSON output."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import random
+import sys
+
+
+def lognormal_lengths(rng: random.Random, count: int, mean: float, sigma: float, low: int, high: int) -> list[int]:
+    """`count` integer lengths from a lognormal with the given MEAN (not median), clipped to [low, high]."""
+    if mean <= 0:
+        return [low] * count
+    mu = math.log(mean) - sigma * sigma / 2  # E[exp(N(mu, sigma))] = exp(mu + sigma^2 / 2) = mean
+    return [min(high, max(low, round(rng.lognormvariate(mu, sigma)))) for _ in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+# -- process memory ------------------------------------------------------------------------------------------
+# tracemalloc does not see torch's allocator, so on CPU we read the kernel's resident-set counters instead.
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart VmHWM from the current RSS (Linux >= 4.0). Returns False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    return _status_kib("VmHWM") * 1024
+
+
+class PeakMemory:
+    """Peak memory above a baseline taken at start(): CUDA allocator peak on a GPU, resident set on a CPU."""
+
+    def __init__(self, device):
+        import torch
+
+        self.device = torch.device(device)
+        self.baseline = 0
+
+    def start(self) -> None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+        else:
+            if not reset_peak_rss():
+                raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs): peak memory unavailable")
+            self.baseline = rss_bytes()
+
+    def peak_delta(self) -> int:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device) - self.baseline
+        return peak_rss_bytes() - self.baseline
+
+
+def machine_description() -> str:
+    """One line naming the hardware the numbers come from."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}), torch {torch.__version__}"
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "n/a"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    return f"{os.cpu_count()}-core CPU ({cpu}), no GPU, torch {torch_version}"
+
+
+# -- output --------------------------------------------------------------------------------------------------
+def print_json(data: dict) -> None:
+    sys.stdout.write(json.dumps(data, indent=2) + "\n")
+
+
+def fmt(value, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def print_table(title: str, columns: list[str], rows: list[list], caption: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption, title_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*[fmt(v) for v in row])
+    Console().print(table)
+
+
+def save_figure(fig, path) -> None:
+    """PNG small enough for a README (< 200 KB): modest size and dpi, palette-friendly flat colours."""
+    from pathlib import Path
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90, bbox_inches="tight")
