@@ -1,10 +1,9 @@
 """`pagedchat bench memory`: the real BlockPool and Scheduler on a synthetic trace, against contiguous reservation.
 
-No model runs. Each simulated step mirrors `Engine.step()` exactly, minus the forward pass and the sampler:
-schedule -> (fail what can never fit) -> commit -> fork the n variants of freshly prefilled prompts ->
-append one synthetic token to every sequence whose scheduled chunk reached its end -> finish the ones
-that reached their target length. So block counts, prefix hits, copy-on-write and preemption are those
-of the engine itself on the same trace.
+No model runs: the real `Engine` steps with its model runner replaced by pure bookkeeping (the engine's
+injectable `runner=`), so schedule -> commit -> fork the n variants -> append a token -> finish at the
+target length are the engine's own code, and block counts, prefix hits, copy-on-write and preemption are
+exactly what it would do on the same trace.
 
 The peer is the pre-paged way: every admitted request reserves `max_len` contiguous slots for its whole
 life; admission is first-come-first-served while slots remain; the same per-step token budget.
@@ -121,97 +120,61 @@ class SimResult:
         return 1 - sum(s.blocks_used for s in self.samples) / unshared if unshared else 0.0
 
 
+class BookkeepingRunner:
+    """Stands in for the ModelRunner: no forward pass. The sequences whose chunk reaches their last token
+    (exactly the ones the real runner samples) get logits over a one-token vocabulary."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+
+    def run(self, batch):
+        import torch
+
+        samplers = [seq for seq, n in batch.items if seq.num_computed + n == seq.num_tokens]
+        return (torch.zeros(len(samplers), 1), samplers) if samplers else (None, [])
+
+
 class PagedSim:
-    """A model-free engine: the real BlockPool and Scheduler, and Engine.step()'s bookkeeping."""
+    """The real Engine (its step(), BlockPool and Scheduler) with the model runner swapped for bookkeeping."""
 
     def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_batched_tokens: int,
                  max_len: int, prefix_cache: bool = True):
-        from pagedchat.engine.block_pool import BlockPool
-        from pagedchat.engine.scheduler import Scheduler
+        from types import SimpleNamespace
 
-        self.pool = BlockPool(num_blocks, block_size, prefix_cache)
-        self.scheduler = Scheduler(self.pool, max_seqs, max_batched_tokens)
-        self.max_len = max_len
-        self.sampled = itertools.count(-1, -1)   # synthetic output tokens: never equal to a prompt id
+        import torch
+
+        from pagedchat.engine import Engine, EngineConfig
+
+        config = EngineConfig(model="(simulated)", device="cpu", block_size=block_size, num_blocks=num_blocks,
+                              max_num_seqs=max_seqs, max_num_batched_tokens=max_batched_tokens,
+                              max_model_len=max_len, enable_prefix_cache=prefix_cache)
+        # What Engine reads of a loaded model: no tokenizer, no EOS, any int is a valid token id.
+        loaded = SimpleNamespace(tokenizer=None, eos_token_ids=[], max_model_len=max_len, path="(simulated)",
+                                 spec=SimpleNamespace(vocab_size=2**62), device=torch.device("cpu"))
+        self.engine = Engine(config, loaded=loaded, runner=BookkeepingRunner(num_blocks))
+        self.pool, self.scheduler = self.engine.pool, self.engine.scheduler
         self.failed = 0
-        self.requests = []
 
-    def add(self, prompt: list[int], output_len: int, n: int = 1, keep: bool = False, parent=None):
-        """Engine.add_request without the tokenizer: one sequence now, n - 1 forks after its prefill."""
-        from pagedchat.engine.sampling_params import SamplingParams
-        from pagedchat.engine.sequence import Request, Sequence, SeqStatus
+    def add(self, prompt: list[int], output_len: int, n: int = 1) -> str:
+        from pagedchat.engine import SamplingParams
 
         params = SamplingParams(temperature=0, max_tokens=output_len, n=n, ignore_eos=True)
-        request = Request(f"sim-{len(self.requests)}", list(prompt), params, keep=keep)
-        seq = Sequence(request, 0, request.prompt_token_ids)
-        seq.parent = parent if parent is not None and parent.status == SeqStatus.PINNED else None
-        request.sequences.append(seq)
-        request.forked = n == 1
-        self.requests.append(request)
-        self.scheduler.add(seq)
-        return request
+        return self.engine.add_request(prompt, params)
 
     def step(self) -> bool:
-        """One Engine.step(); False when nothing could be scheduled."""
-        batch = self.scheduler.schedule()
-        for seq in batch.failed:
-            self._fail(seq)
-        if not batch:
-            return bool(batch.failed)
-        # The runner samples the sequences whose scheduled chunk ends at their last token.
-        samplers = [seq for seq, n in batch.items if seq.num_computed + n == seq.num_tokens]
-        self.scheduler.commit(batch)
-        for seq in self._fork_variants(samplers):
-            self._append_token(seq)
-        return True
+        """One Engine.step(); False when nothing ran (nothing scheduled, nothing finished)."""
+        events = self.engine.step()
+        self.failed += sum(1 for e in events if e.finish_reason == "error")
+        return bool(events or self.scheduler.running)
 
     def run(self, on_step=None, max_idle: int = 3) -> None:
         idle = 0
-        while self.scheduler.has_work():
+        while self.engine.has_unfinished():
             idle = 0 if self.step() else idle + 1
             if idle > max_idle:
                 raise RuntimeError("the scheduler made no progress (pool too small for the trace?)")
             if on_step is not None:
                 on_step(self)
-
-    def _fork_variants(self, samplers):
-        """Engine._fork_variants: a prompt's n - 1 siblings share every block of the prefilled prompt."""
-        from pagedchat.engine.sequence import Sequence
-
-        out = []
-        for seq in samplers:
-            out.append(seq)
-            request = seq.request
-            if request.forked:
-                continue
-            for index in range(1, request.params.n):
-                child = Sequence(request, index, seq.token_ids)
-                child.block_table = self.pool.fork_table(seq.block_table)
-                child.block_hashes = list(seq.block_hashes)
-                child.num_computed = seq.num_computed
-                request.sequences.append(child)
-                self.scheduler.add_running(child)
-                out.append(child)
-            request.forked = True
-        return out
-
-    def _append_token(self, seq) -> None:
-        """Engine._append_token with a synthetic token; the trace's length is the only stop condition."""
-        seq.token_ids.append(next(self.sampled))
-        if seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_len:
-            seq.finish_reason = "length"
-            self.scheduler.finish(seq, keep=seq.request.keep)
-
-    def _fail(self, seq) -> None:
-        """Engine._fail: a request that cannot fit even in an empty pool ends alone."""
-        from pagedchat.engine.sequence import SeqStatus
-
-        self.failed += 1
-        seq.finish_reason, seq.status = "error", SeqStatus.FINISHED
-        seq.request.error = "too large for the pool"
-        for other in seq.request.sequences:
-            if not other.is_finished:
-                self.scheduler.finish(other, keep=False)
 
     def sample(self) -> StepSample:
         """Blocks in use, shared, and the distinct tokens they hold (a shared block counts once)."""
