@@ -14,7 +14,7 @@ MODEL = typer.Option(None, "-m", "--model", help="models.toml name or alias, loc
 DEVICE = typer.Option("auto", "--device", help="cpu, cuda or auto.")
 DTYPE = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.")
 BLOCK_SIZE = typer.Option(16, "--block-size", help="Tokens per KV block (8..128, power of two).")
-KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool size: bytes or 256KiB/512MiB/4GiB "
+KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool size: bytes, 256KiB/512MiB/4GiB, or 40% of free memory "
                                                    "(default: 90% of free GPU memory, 512MiB on CPU).")
 MAX_CONTEXT = typer.Option(None, "--max-context", help="Cap the context length (tokens).")
 SYSTEM = typer.Option(None, "--system", help="System prompt (chat template path).")

@@ -25,13 +25,23 @@ def parse_size(text: str | int | None) -> int | None:
     return n
 
 
+def _parse_percent(text: str) -> float:
+    try:
+        value = float(text.strip()[:-1]) / 100
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise UserError(f"invalid --kv-memory {text!r}: a percentage must be in (0%, 100%]")
+    return value
+
+
 @dataclass
 class EngineConfig:
     model: str                      # local HF folder (resolved by the registry/loader)
     device: str = "auto"            # auto | cpu | cuda | cuda:N
     dtype: str = "auto"             # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     block_size: int = 16
-    kv_memory: int | None = None    # bytes for the KV pool; None = fraction of free memory
+    kv_memory: int | str | None = None  # bytes, '512MiB', or '40%' of free memory; None = kv_fraction
     kv_fraction: float = 0.9        # of free device memory after weights and a profiled forward (CUDA)
     num_blocks: int | None = None   # exact pool size in blocks (tests, benchmarks); overrides kv_memory
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -40,8 +50,12 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
+    kv_fraction_given: float | None = None  # set when the user asked for a percentage (also on CPU)
 
     def __post_init__(self):
+        if isinstance(self.kv_memory, str) and self.kv_memory.strip().endswith("%"):
+            self.kv_fraction = self.kv_fraction_given = _parse_percent(self.kv_memory)
+            self.kv_memory = None
         self.kv_memory = parse_size(self.kv_memory)
         if not 8 <= self.block_size <= 128 or self.block_size & (self.block_size - 1):
             raise UserError(f"--block-size must be a power of two from 8 to 128, got {self.block_size}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pagedchat import kernels
@@ -13,6 +15,10 @@ from pagedchat.model.attention import AttentionMetadata
 from pagedchat.model.loader import LoadedModel
 
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+
+
+def _available_ram() -> int:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class ModelRunner:
@@ -39,8 +45,11 @@ class ModelRunner:
             assert config.num_blocks > 0
             return config.num_blocks
         budget = config.kv_memory
-        if budget is None:
-            budget = self._free_memory_budget(config) if self.device.type == "cuda" else CPU_DEFAULT_KV_BYTES
+        if budget is None and self.device.type == "cuda":
+            budget = self._free_memory_budget(config)
+        elif budget is None:
+            budget = CPU_DEFAULT_KV_BYTES if config.kv_fraction_given is None else \
+                int(_available_ram() * config.kv_fraction_given)
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise UserError(f"--kv-memory {budget} bytes holds no KV block: one block of {self.block_size} "
