@@ -1,0 +1,421 @@
+"""The chat core with no terminal: sessions resident in one engine, turns, branches, variants, settings.
+
+The REPL, `run --session` and the tests drive this class; it returns nodes and plain data, never prints.
+Every turn's prompt is the head's stored token ids plus the new message's rendered suffix, and it is
+submitted with the pinned engine sequence that shares the longest prefix with it as `parent`, so only the
+new tokens are prefilled (the prefix cache serves what a dropped pin no longer holds).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from pagedchat.chat.session import Session, check_name
+from pagedchat.chat.store import SaveError, SessionStore
+from pagedchat.chat.tree import Node
+from pagedchat.chat.turns import Templater
+from pagedchat.commands.common import SamplingOptions, resolve_sampling
+from pagedchat.errors import UserError
+
+SET_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty", "stop")
+_SET_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int, "seed": int,
+              "repetition_penalty": float, "stop": list}
+FORK_TEMPERATURE = 0.8      # /fork at temperature 0 would give N identical variants
+MAX_FORK = 16
+
+
+@dataclass
+class TurnResult:
+    user: Node | None                 # the new user message (None for /regen and /fork without text)
+    replies: list[Node]               # one per variant
+    stats: dict
+    interrupted: bool = False
+    notes: list[str] = field(default_factory=list)
+    save_error: str | None = None
+
+
+class ChatController:
+    def __init__(self, engine, entry, store: SessionStore | None = None, cli: SamplingOptions | None = None,
+                 system: str | None = None):
+        self.engine, self.entry = engine, entry
+        self.store = store or SessionStore()
+        self.cli = cli or SamplingOptions()
+        self.cli_system = system
+        self.templater = Templater(engine.tokenizer, engine.eos_token_ids, entry.table.get("chat_template_kwargs"),
+                                   model=entry.name)
+        self.sessions: dict[str, Session] = {}      # resident: all share the engine's pool
+        self.current: Session | None = None
+        self.stop_requested = False                 # set by the shell's Ctrl-C handler
+        self.last_stats: dict | None = None
+
+    @property
+    def session(self) -> Session:
+        assert self.current is not None, "no current session"
+        return self.current
+
+    @property
+    def default_system(self) -> str | None:
+        if self.cli_system is not None:
+            return self.cli_system or None
+        return self.entry.get("system_prompt").value or None
+
+    # -- sessions -------------------------------------------------------------------------------------------
+    def new_session(self, name: str | None = None) -> Session:
+        if name is None:
+            stem = datetime.now().strftime("chat-%Y%m%d-%H%M%S")
+            name, n = stem, 2
+            while name in self.sessions or self.store.exists(name):
+                name, n = f"{stem}-{n}", n + 1
+        check_name(name)
+        if name in self.sessions or self.store.exists(name):
+            raise UserError(f"a session named {name!r} already exists: /open {name}")
+        session = Session(name, model=self.entry.name, model_path=str(self.entry.path),
+                          fingerprint=self.templater.fingerprint(), system=self.default_system)
+        self.sessions[name] = self.current = session
+        return session
+
+    def open_session(self, name: str, create: bool = False) -> tuple[Session, bool]:
+        """Make NAME current: resident, else loaded from disk, else (create=True) new. Returns (session, new)."""
+        check_name(name)
+        if name in self.sessions:
+            self.current = self.sessions[name]
+            return self.current, False
+        if not self.store.exists(name):
+            if create:
+                return self.new_session(name), True
+            raise UserError(f"no session named {name!r} (see /sessions)")
+        session = self.store.load(name)
+        self.check_model(session)
+        self.sessions[name] = self.current = session
+        return session, False
+
+    def check_model(self, session: Session) -> None:
+        same = session.model in (self.entry.name, str(self.entry.path)) or session.model_path == str(self.entry.path)
+        if session.model and not same:
+            raise UserError(f"session {session.name} was recorded with model {session.model!r}, not "
+                            f"{self.entry.name!r}: its token ids only mean something to that model "
+                            f"(use -m {session.model})")
+        vocab = session.fingerprint.get("vocab_size")
+        if vocab is not None and vocab != self.templater.fingerprint()["vocab_size"]:
+            raise UserError(f"session {session.name} was recorded with a tokenizer of {vocab} tokens; this "
+                            f"model's has {self.templater.fingerprint()['vocab_size']}")
+
+    def save(self, as_name: str | None = None):
+        session = self.session
+        if as_name is not None and as_name != session.name:
+            check_name(as_name)
+            if as_name in self.sessions or self.store.exists(as_name):
+                raise UserError(f"a session named {as_name!r} already exists")
+            del self.sessions[session.name]
+            session.name = as_name
+            self.sessions[as_name] = session
+        return self.store.save(session)
+
+    def close_session(self, name: str) -> None:
+        """Forget a resident session and release its pins (its file stays)."""
+        session = self.sessions.pop(name, None)
+        if session is None:
+            return
+        for handle in session.handles.values():
+            self.engine.release(handle)
+        session.handles.clear()
+        if self.current is session:
+            self.current = None
+
+    # -- settings -------------------------------------------------------------------------------------------
+    def sampling(self, n: int = 1):
+        """(SamplingParams, sources) for the current session: CLI > /set > session > model > defaults."""
+        s = self.session
+        set_now = {k: v for k, v in s.settings.items() if k in s.set_keys}
+        from_file = {k: v for k, v in s.settings.items() if k not in set_now}
+        params, sources = resolve_sampling(self.entry, self.cli, {**set_now, "__source__": "/set"},
+                                           {**from_file, "__source__": f"session {s.name}"})
+        return params.with_(n=n), sources
+
+    def set_option(self, key: str, value: str) -> str:
+        """`/set KEY VALUE`: validated like SamplingParams; `default` removes the override."""
+        if key not in SET_KEYS:
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}")
+        s = self.session
+        keys = s.set_keys
+        if value.strip().lower() == "default":
+            s.settings.pop(key, None)
+            keys.discard(key)
+            params, sources = self.sampling()
+            return f"{key} = {_show(getattr(params, key))} (from {sources.get(key, 'built-in default')})"
+        parsed = _parse_value(key, value)
+        trial = dict(s.settings, **{key: parsed})
+        resolve_sampling(self.entry, SamplingOptions(), trial)  # raises the SamplingParams message if invalid
+        s.settings[key] = parsed
+        keys.add(key)
+        message = f"{key} = {_show(parsed)}"
+        if key in self.cli.given():
+            message += f" (but --{key.replace('_', '-')} {_show(self.cli.given()[key])} on the command line wins)"
+        return message
+
+    def set_system(self, text: str | None) -> str:
+        """A new system prompt starts a new branch from the top (the old conversation stays in the tree)."""
+        s = self.session
+        had_messages = any(n.role != "system" for n in s.path())
+        s.system = text or None
+        s.head = None
+        s.last_fork = []
+        what = "system prompt cleared" if not text else "system prompt set"
+        if had_messages:
+            return f"{what}; the next message starts a new branch from the top (the old one stays: /tree)"
+        return what
+
+    def clear(self) -> None:
+        """Start over from the top of the tree; nothing is deleted."""
+        self.session.head = None
+        self.session.last_fork = []
+
+    # -- moving around --------------------------------------------------------------------------------------
+    def switch(self, node_id: int) -> Node:
+        node = self.session.node(node_id)
+        self.session.head = node.id
+        return node
+
+    def pick(self, k: int) -> Node:
+        s = self.session
+        if not s.last_fork:
+            raise UserError("no variants to pick from: /fork N first")
+        if not 1 <= k <= len(s.last_fork):
+            raise UserError(f"pick a variant from 1 to {len(s.last_fork)}")
+        s.head = s.last_fork[k - 1]
+        return s.tree.get(s.head)
+
+    # -- turns ----------------------------------------------------------------------------------------------
+    def send(self, text: str, n: int = 1, on_update=None) -> TurnResult:
+        """A new user message after the head, answered with n variants."""
+        if not text.strip():
+            raise UserError("the message is empty")
+        s = self.session
+        head = s.head_node()
+        if head is not None and head.role == "user":
+            raise UserError(f"the head #{head.id} is a user message with no reply yet: /regen answers it, "
+                            f"/switch moves elsewhere")
+        path = self._path_with_system()
+        user_ids = self.templater.user_turn_tokens(path, text)
+        prompt = [t for node in path for t in node.token_ids] + user_ids
+        params, notes = self._params(n)
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update)
+        if path and path[-1].id == 0:  # the system node of a conversation that starts now
+            path[-1] = s.tree.add(None, "system", path[-1].text, path[-1].token_ids)
+        user = s.tree.add(path[-1].id if path else None, "user", text, user_ids)
+        return self._finish(user, out, interrupted, stats, notes, user_node=user)
+
+    def regen(self, n: int = 1, on_update=None) -> TurnResult:
+        """A new reply (or n variants) to the user message behind the head; the old reply stays."""
+        s = self.session
+        head = s.head_node()
+        user = head if head is not None and head.role == "user" else None
+        if head is not None and head.role == "assistant":
+            user = s.tree.get(head.parent)
+        if user is None:
+            raise UserError("nothing to regenerate yet: send a message first")
+        params, notes = self._params(n)
+        out, interrupted, stats = self._generate(s.tree.path_tokens(user.id), params, notes, on_update)
+        return self._finish(user, out, interrupted, stats, notes, user_node=None)
+
+    def edit(self, node_id: int, text: str, on_update=None) -> TurnResult:
+        """Replace an earlier user message in a new sibling branch and answer it."""
+        s = self.session
+        node = s.node(node_id)
+        if node.role != "user":
+            raise UserError(f"#{node_id} is a {node.role} message; /edit changes user messages "
+                            f"(/regen for replies, /system for the system prompt)")
+        if not text.strip():
+            raise UserError("the edited message is empty")
+        path = s.tree.path(node.parent)
+        user_ids = self.templater.user_turn_tokens(path, text)
+        params, notes = self._params(1)
+        out, interrupted, stats = self._generate(s.tree.path_tokens(node.parent) + user_ids, params, notes,
+                                                 on_update)
+        user = s.tree.add(node.parent, "user", text, user_ids)
+        return self._finish(user, out, interrupted, stats, notes, user_node=user)
+
+    def fork(self, n: int, text: str | None = None, on_update=None) -> TurnResult:
+        """N variants in parallel, forks of one sequence: of a new message, else of the head's reply."""
+        if not 1 <= n <= MAX_FORK:
+            raise UserError(f"/fork takes a number of variants from 1 to {MAX_FORK}, got {n}")
+        return self.send(text, n, on_update) if text else self.regen(n, on_update)
+
+    # -- internals ------------------------------------------------------------------------------------------
+    def _path_with_system(self):
+        """The head's path; for a conversation that starts now, a system node (reused if one with the same
+        text is already a root: all branches under it share its cached blocks). Node id 0 = not yet added."""
+        s = self.session
+        path = s.path()
+        if path or not s.system:
+            return path
+        for root in s.tree.children(None):
+            if root.role == "system" and root.text == s.system:
+                return [root]
+        return [Node(0, None, "system", s.system, self.templater.system_tokens(s.system))]
+
+    def _params(self, n: int):
+        params, sources = self.sampling(n)
+        notes = []
+        if n > 1 and params.temperature == 0:
+            lower = self.entry.sampling_defaults().get("temperature")
+            temperature = lower.value if lower is not None and lower.value else FORK_TEMPERATURE
+            params = params.with_(temperature=float(temperature))
+            notes.append(f"temperature is 0, so the {n} variants would be identical: sampling them at "
+                         f"temperature {temperature:g}")
+        return params, notes
+
+    def _pin_for(self, prompt: list[int]):
+        """The pinned branch head sharing the longest prefix with this prompt (None if none shares any)."""
+        best, best_len = None, 0
+        for node_id, handle in list(self.session.handles.items()):
+            if getattr(handle.status, "value", None) != "pinned":
+                del self.session.handles[node_id]  # the engine dropped it under memory pressure
+                continue
+            k = _common_prefix(prompt, handle.token_ids)
+            if k > best_len:
+                best, best_len = handle, k
+        return best
+
+    def _generate(self, prompt: list[int], params, notes: list[str], on_update):
+        engine = self.engine
+        room = engine.max_model_len - len(prompt)
+        if room < 1:
+            raise UserError(f"the context is full: this turn needs {len(prompt)} tokens and the model takes "
+                            f"{engine.max_model_len}; /clear or /new to start over, /switch to an earlier node")
+        limit = max(room // 2, min(room, 32))  # leave room for more turns in a small context
+        if params.max_tokens > limit:
+            params = params.with_(max_tokens=limit)
+            capped = limit
+        else:
+            capped = None
+        rid = engine.add_request(prompt, params, keep=True, parent=self._pin_for(prompt))
+        texts: dict[int, str] = {}
+        interrupted = False
+        self.stop_requested = False
+        try:
+            while not engine.requests[rid].finished:
+                if self.stop_requested:
+                    interrupted = True
+                    break
+                for event in engine.step():
+                    if event.request_id == rid and event.text:
+                        texts[event.index] = texts.get(event.index, "") + event.text
+                        if on_update is not None:
+                            on_update(event.index, texts[event.index])
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            self.stop_requested = False
+            if not engine.requests[rid].finished:
+                engine.abort(rid)  # frees its blocks at once
+        out = engine.pop_output(rid)
+        if out.error and not interrupted:
+            raise UserError(out.error)
+        stats = self._stats(prompt, out, capped, params.n)
+        return out, interrupted, stats
+
+    def _stats(self, prompt: list[int], out, capped: int | None, n: int) -> dict:
+        completion = sum(len(v.token_ids) for v in out.outputs)
+        ttft, total = out.ttft_s, out.total_s
+        decode_s = (total - ttft) if total is not None and ttft is not None else None
+        decoded = completion - len(out.outputs)
+        pool = self.engine.pool
+        return {"ttft_s": ttft, "total_s": total,
+                "tokens_per_s": decoded / decode_s if decode_s and decoded > 0 else None,
+                "completion_tokens": completion, "variants": len(out.outputs),
+                "variants_requested": n,
+                "prompt_tokens": len(prompt), "prompt_cached": out.prefix_hit_tokens,
+                "prompt_new": len(prompt) - out.prefix_hit_tokens,
+                "context_tokens": len(prompt) + max((len(v.token_ids) for v in out.outputs), default=0),
+                "max_context": self.engine.max_model_len, "capped_max_tokens": capped,
+                "blocks_used": pool.num_used, "num_blocks": pool.num_blocks, "block_size": pool.block_size}
+
+    def _finish(self, parent: Node, out, interrupted: bool, stats: dict, notes: list[str], user_node) -> TurnResult:
+        s = self.session
+        replies = []
+        many = stats["variants_requested"] > 1
+        for variant in out.outputs:
+            reply = s.tree.add(parent.id, "assistant", variant.text, variant.token_ids,
+                               interrupted=interrupted or variant.finish_reason == "abort",
+                               finish_reason="interrupted" if interrupted else variant.finish_reason,
+                               variant=variant.index + 1 if many else None, stats=_node_stats(stats))
+            if variant.handle is not None:
+                s.handles[reply.id] = variant.handle
+            replies.append(reply)
+        self._release_covered_pins(parent.id)
+        s.last_fork = [r.id for r in replies] if len(replies) > 1 else []
+        s.head = replies[0].id if replies else parent.id
+        self.last_stats = stats
+        result = TurnResult(user_node, replies, stats, interrupted, notes)
+        if stats["capped_max_tokens"] is not None and any(r.finish_reason == "length" for r in replies):
+            result.notes.append(f"reply capped at {stats['capped_max_tokens']} tokens to leave room in the "
+                                f"{stats['max_context']}-token context")
+        try:
+            self.store.save(s)
+        except SaveError as e:
+            result.save_error = str(e)
+        return result
+
+    def _release_covered_pins(self, node_id: int) -> None:
+        """Pins on the path above a new reply are covered by the reply's own pin: drop them."""
+        s = self.session
+        for node in s.tree.path(node_id):
+            handle = s.handles.pop(node.id, None)
+            if handle is not None:
+                self.engine.release(handle)
+
+    # -- pool ------------------------------------------------------------------------------------------------
+    def pool_stats(self) -> dict:
+        st = self.engine.stats()
+        pool = st.pool
+        per_session = {name: {"nodes": len(s.tree), "pinned_heads": sum(1 for h in s.handles.values()
+                                                                          if h.status.value == "pinned"),
+                              "blocks": self.engine.blocks_held(list(s.handles.values()))}
+                       for name, s in self.sessions.items()}
+        return {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "used": pool.used, "free": pool.free,
+                "cached": pool.cached, "shared": pool.shared, "peak_used": pool.peak_used,
+                "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,
+                "prefix_hit_rate": pool.prefix_hit_rate, "cow_copies": pool.cow_copies, "pinned": st.pinned,
+                "pinned_blocks": st.pinned_blocks, "preemptions": st.preemptions, "sessions": per_session,
+                "last_turn": self.last_stats}
+
+
+def _node_stats(stats: dict) -> dict:
+    keys = ("ttft_s", "tokens_per_s", "prompt_new", "prompt_cached", "completion_tokens", "blocks_used")
+    return {k: stats[k] for k in keys}
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    k, limit = 0, min(len(a), len(b))
+    while k < limit and a[k] == b[k]:
+        k += 1
+    return k
+
+
+def _parse_value(key: str, value: str):
+    kind = _SET_TYPES[key]
+    value = value.strip()
+    if kind is list:
+        if value.lower() == "none":
+            return []
+        if value.startswith("["):
+            try:
+                items = json.loads(value)
+            except ValueError:
+                raise UserError('stop: give one string, or a JSON list like ["\\n\\n", "User:"]') from None
+            if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+                raise UserError("stop: the JSON list must hold strings")
+            return items
+        return [codecs.decode(value, "unicode_escape") if "\\" in value and value.isascii() else value]
+    try:
+        return kind(value)
+    except ValueError:
+        raise UserError(f"{key} must be {'an integer' if kind is int else 'a number'}, got {value!r}") from None
+
+
+def _show(value) -> str:
+    return json.dumps(value) if isinstance(value, (list, str)) else str(value)

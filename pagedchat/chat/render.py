@@ -1,0 +1,174 @@
+"""Rich renderables for the chat: replies, side-by-side variants, the stats line, the tree, tables.
+
+Model text is always wrapped in Text/Markdown objects, never interpolated into console markup, so a reply
+containing "[bold]" or "[/]" prints as written.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.markdown import Markdown
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from rich.tree import Tree as RichTree
+
+from pagedchat.chat.session import Session
+from pagedchat.chat.tree import Node
+
+MIN_COLUMN_WIDTH = 28
+
+
+def reply_view(text: str):
+    return Markdown(text) if text.strip() else Text("…", style="dim")
+
+
+def variants_view(texts: list[str], titles: list[str], width: int):
+    """Variants side by side when each column gets a readable width, else stacked panels."""
+    panels = [Panel(reply_view(t), title=title, title_align="left", border_style="cyan")
+              for t, title in zip(texts, titles)]
+    if len(panels) > 1 and width // len(panels) >= MIN_COLUMN_WIDTH:
+        grid = Table.grid(expand=True, padding=(0, 1))
+        for _ in panels:
+            grid.add_column(ratio=1)
+        grid.add_row(*panels)
+        return grid
+    return Group(*panels)
+
+
+def _seconds(value) -> str:
+    return f"{value:.2f}s" if value is not None else "-"
+
+
+def stats_line(stats: dict, node_ids: list[int] | None = None) -> Text:
+    """One dim line after each reply: prompt tokens new vs served from cache, TTFT, tokens/s, KV blocks."""
+    parts = [" ".join(f"#{i}" for i in node_ids)] if node_ids else []
+    parts.append(f"prompt {stats.get('prompt_new', 0)} new + {stats.get('prompt_cached', 0)} cached")
+    parts.append(f"TTFT {_seconds(stats.get('ttft_s'))}")
+    tps = stats.get("tokens_per_s")
+    parts.append(f"{tps:.1f} tok/s" if tps else "- tok/s")
+    variants = stats.get("variants", 1)
+    parts.append(f"{stats.get('completion_tokens', 0)} tok" + (f" ({variants} variants)" if variants > 1 else ""))
+    parts.append(f"KV {stats.get('blocks_used', 0)}/{stats.get('num_blocks', 0)} blocks")
+    return Text(" · ".join(parts), style="dim")
+
+
+def first_words(text: str, limit: int = 48) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def node_label(node: Node, on_path: bool, is_head: bool) -> Text:
+    style = "bold" if on_path else ""
+    role_style = {"user": "green", "assistant": "cyan", "system": "magenta"}[node.role]
+    label = Text()
+    label.append(f"#{node.id} ", style=style + " yellow" if on_path else "yellow")
+    label.append(node.role, style=f"{role_style} {style}".strip())
+    if node.variant is not None:
+        label.append(f" v{node.variant}", style="cyan")
+    label.append(f" “{first_words(node.text) or '…'}”", style=style)
+    label.append(f" ({len(node.token_ids)} tok)", style="dim")
+    if node.interrupted:
+        label.append(" [interrupted]", style="red")
+    if is_head:
+        label.append("  ◀ head", style="bold reverse")
+    return label
+
+
+def tree_view(session: Session) -> RichTree:
+    on_path = {n.id for n in session.path()}
+    root = RichTree(Text(f"session {session.name}", style="bold"), guide_style="dim")
+
+    def add(parent_view, node_id):
+        for child in session.tree.children(node_id):
+            view = parent_view.add(node_label(child, child.id in on_path, child.id == session.head))
+            add(view, child.id)
+
+    add(root, None)
+    if not session.tree.nodes:
+        root.add(Text("(empty)", style="dim"))
+    elif session.head is None:
+        root.add(Text("◀ head: a new conversation starts with the next message", style="bold"))
+    return root
+
+
+def conversation_view(nodes: list[Node]):
+    """A path of messages, one after the other, as in a chat transcript."""
+    items = []
+    for node in nodes:
+        who = {"user": ("you", "green"), "assistant": ("assistant", "cyan"), "system": ("system", "magenta")}
+        name, color = who[node.role]
+        header = Text(f"#{node.id} {name}", style=f"bold {color}")
+        if node.variant is not None:
+            header.append(f" (variant {node.variant})", style="cyan")
+        if node.interrupted:
+            header.append(" [interrupted]", style="red")
+        items += [header, reply_view(node.text) if node.role == "assistant" else Text(node.text), Text("")]
+    return Group(*items)
+
+
+def pool_view(stats: dict, current: str | None) -> Group:
+    table = Table(title="KV pool", show_header=False, title_justify="left", box=None, padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    total = stats["num_blocks"]
+    table.add_row("blocks", f"{total} × {stats['block_size']} tokens")
+    table.add_row("used", f"{stats['used']} ({stats['used'] / total:.1%}), peak {stats['peak_used']}")
+    table.add_row("free", f"{stats['free']} (of which {stats['cached']} still cached for prefix hits)")
+    table.add_row("shared", f"{stats['shared']} blocks with refcount > 1")
+    table.add_row("prefix cache", f"{stats['prefix_hit_rate']:.1%} hit rate "
+                                  f"({stats['prefix_hit_tokens']} of {stats['prefix_query_tokens']} prompt tokens)")
+    table.add_row("copy-on-write", f"{stats['cow_copies']} block copies")
+    table.add_row("pins", f"{stats['pinned']} branch heads holding {stats['pinned_blocks']} blocks")
+    table.add_row("preemptions", str(stats["preemptions"]))
+    sessions = Table(title="sessions in this pool", title_justify="left", box=None, padding=(0, 2))
+    for column in ("session", "nodes", "pinned heads", "blocks held"):
+        sessions.add_column(column)
+    for name, s in stats["sessions"].items():
+        sessions.add_row(name + (" *" if name == current else ""), str(s["nodes"]), str(s["pinned_heads"]),
+                         str(s["blocks"]))
+    parts = [table, Text(""), sessions]
+    if stats.get("last_turn"):
+        parts += [Text(""), Text("last turn: ", style="bold") + stats_line(stats["last_turn"])]
+    return Group(*parts)
+
+
+def sessions_view(infos, resident: dict, current: str | None) -> Table:
+    table = Table(box=None, padding=(0, 2), header_style="bold")
+    for column in ("", "name", "model", "messages", "branches", "updated"):
+        table.add_column(column)
+    seen = set()
+    for info in infos:
+        seen.add(info.name)
+        mark = "*" if info.name == current else ("●" if info.name in resident else "")
+        table.add_row(mark, info.name, info.model, str(info.messages), str(info.branches), info.updated[:19])
+    for name, s in resident.items():
+        if name not in seen:
+            table.add_row("*" if name == current else "●", name, s.model, str(s.num_messages),
+                          str(len(s.tree.leaves())), "(not saved yet)")
+    return table
+
+
+def settings_view(params, sources: dict) -> Table:
+    table = Table(box=None, padding=(0, 2), header_style="bold")
+    for column in ("setting", "value", "from"):
+        table.add_column(column)
+    for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty", "stop"):
+        table.add_row(key, repr(getattr(params, key)), sources.get(key, "built-in default"))
+    return table
+
+
+def export_markdown(session: Session, all_branches: bool = False) -> str:
+    """The current conversation (or every branch) as Markdown."""
+    lines = [f"# {session.name}", "", f"- model: {session.model}", f"- created: {session.created}",
+             f"- updated: {session.updated}", ""]
+    branches = [session.path()] if not all_branches else [session.tree.path(leaf.id)
+                                                          for leaf in session.tree.leaves()]
+    for number, path in enumerate(branches, 1):
+        if all_branches:
+            lines += [f"## branch {number} (ends at #{path[-1].id})", ""]
+        for node in path:
+            title = {"system": "System", "user": "User", "assistant": "Assistant"}[node.role]
+            extra = (f" (variant {node.variant})" if node.variant else "") + (" [interrupted]" if node.interrupted else "")
+            lines += [f"**{title}**{extra} <!-- #{node.id} -->", "", node.text, ""]
+    return "\n".join(lines).rstrip() + "\n"

@@ -1,0 +1,212 @@
+"""The interactive shell: prompt-toolkit input on top of ChatShell.
+
+Persistent history (up-arrow, Ctrl-R), Esc-Enter / Alt-Enter for a new line, bracketed paste, \"\"\"-blocks,
+Tab completion of slash commands and their arguments, a bottom toolbar with the session and the pool.
+prompt-toolkit is imported here only, when the REPL starts (machines without it can still `run`).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager, nullcontext
+
+from rich.console import Console
+from rich.text import Text
+
+from pagedchat.chat import render
+from pagedchat.chat.controller import SET_KEYS, ChatController
+from pagedchat.chat.shell import COMMAND_NAMES, ChatShell, ChatUI
+from pagedchat.errors import UserError
+
+
+def open_block(text: str) -> bool:
+    """True while a \"\"\"-block is still open: Enter then adds a line instead of sending."""
+    s = text.strip()
+    return s.startswith('"""') and (s == '"""' or s.count('"""') == 1)
+
+
+def banner(ctl: ChatController) -> Text:
+    s = ctl.session
+    pool = ctl.engine.pool
+    state = (f"{s.num_messages} messages, {len(s.tree.leaves())} branches" if s.tree.nodes else "new")
+    text = Text()
+    text.append("pagedchat", style="bold")
+    text.append(f" · model {ctl.entry.name} · session {s.name} ({state}) · KV pool {pool.num_blocks} blocks × "
+                f"{pool.block_size} tokens · context {ctl.engine.max_model_len}\n", style="dim")
+    text.append("/help lists commands · Enter sends, Esc-Enter adds a line · Ctrl-C stops a reply · Ctrl-D exits",
+                style="dim")
+    return text
+
+
+class PromptUI(ChatUI):
+    def __init__(self, console: Console, prompt_session, terminal: bool = False):
+        super().__init__(console)
+        self.prompt_session = prompt_session
+        self.terminal = terminal
+
+    @contextmanager
+    def interruptible(self, ctl: ChatController):
+        # While a reply streams the terminal does not echo keys: an echoed "^C" would shift the live view.
+        with super().interruptible(ctl), (_no_echo() if self.terminal else nullcontext()):
+            yield
+
+    def ask_edit(self, default: str) -> str | None:
+        try:
+            return self.prompt_session.prompt("edit> ", default=default)
+        except (KeyboardInterrupt, EOFError):
+            raise UserError("edit cancelled") from None
+
+
+@contextmanager
+def _no_echo():
+    try:
+        import termios
+
+        fd = sys.stdin.fileno()
+        saved = termios.tcgetattr(fd)
+    except (ImportError, OSError, ValueError):
+        yield
+        return
+    quiet = list(saved)
+    quiet[3] &= ~(termios.ECHO | getattr(termios, "ECHOCTL", 0))
+    termios.tcsetattr(fd, termios.TCSANOW, quiet)
+    try:
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSANOW, saved)
+
+
+def _completer(shell: ChatShell):
+    from prompt_toolkit.completion import Completer, Completion
+
+    class SlashCompleter(Completer):
+        def get_completions(self, document, complete_event):
+            text = document.text_before_cursor
+            if not text.startswith("/") or "\n" in text:
+                return
+            if " " not in text:
+                for name in COMMAND_NAMES:
+                    if name.startswith(text.lower()):
+                        yield Completion(name, -len(text))
+                return
+            command, _, arg = text.partition(" ")
+            if " " in arg:
+                return
+            for option in self._arguments(command.lower()):
+                if option.startswith(arg):
+                    yield Completion(option, -len(arg))
+
+        def _arguments(self, command: str) -> list[str]:
+            ctl = shell.ctl
+            if command == "/open":
+                return sorted(set(ctl.store.names()) | set(ctl.sessions))
+            if command in ("/switch", "/edit") and ctl.current is not None:
+                nodes = ctl.session.tree.nodes.values()
+                return [str(n.id) for n in nodes if command == "/switch" or n.role == "user"]
+            if command == "/set":
+                return list(SET_KEYS)
+            if command == "/help":
+                return [n.lstrip("/") for n in COMMAND_NAMES]
+            if command == "/pick" and ctl.current is not None:
+                return [str(k) for k in range(1, len(ctl.session.last_fork) + 1)]
+            return []
+
+    return SlashCompleter()
+
+
+def _key_bindings():
+    from prompt_toolkit.key_binding import KeyBindings
+
+    kb = KeyBindings()
+
+    @kb.add("enter")
+    def _enter(event):
+        buffer = event.current_buffer
+        if open_block(buffer.text):
+            buffer.insert_text("\n")
+        else:
+            buffer.validate_and_handle()
+
+    @kb.add("escape", "enter")  # Esc-Enter; terminals send Alt-Enter as the same two keys
+    def _newline(event):
+        event.current_buffer.insert_text("\n")
+
+    return kb
+
+
+def _toolbar(ctl: ChatController):
+    def toolbar():
+        try:
+            s, pool = ctl.session, ctl.engine.pool
+            head = f"#{s.head}" if s.head is not None else "new branch"
+            context = len(s.tree.path_tokens(s.head))
+            return (f" {s.name} · {ctl.entry.name} · head {head} · ctx {context}/{ctl.engine.max_model_len} · "
+                    f"KV {pool.num_used}/{pool.num_blocks} blocks · /help ")
+        except Exception:
+            return " pagedchat "
+    return toolbar
+
+
+def run_repl(ctl: ChatController, console: Console | None = None, pt_input=None, pt_output=None,
+             history_path=None) -> int:
+    """The read-eval-print loop; returns the exit code. pt_input/pt_output: prompt-toolkit pipe input and
+    (dummy) output for tests; without them, a non-terminal stdin falls back to plain line reading."""
+    console = console or Console(highlight=False)
+    if pt_input is None and not sys.stdin.isatty():
+        return _run_plain(ctl, console)
+    from prompt_toolkit import PromptSession
+    from prompt_toolkit.history import FileHistory, InMemoryHistory
+
+    from pagedchat.chat.store import history_file
+
+    if history_path is None:
+        try:
+            history = FileHistory(str(history_file()))
+        except OSError as e:
+            console.print(Text(f"input history not kept: {e.strerror}", style="yellow"))
+            history = InMemoryHistory()
+    else:
+        history = FileHistory(str(history_path))
+    session = PromptSession(history=history, key_bindings=_key_bindings(), complete_while_typing=False,
+                            prompt_continuation=lambda width, line, wrap: "... ".rjust(width),
+                            bottom_toolbar=_toolbar(ctl), input=pt_input, output=pt_output)
+    shell = ChatShell(ctl, PromptUI(console, session, terminal=pt_input is None))
+    session.completer = _completer(shell)
+    console.print(banner(ctl))
+    _show_context(ctl, console)
+    while shell.running:
+        try:
+            line = session.prompt(">>> ")
+        except KeyboardInterrupt:
+            continue  # Ctrl-C at the prompt clears the line, like a shell
+        except EOFError:
+            break
+        shell.handle(line)
+    return 0
+
+
+def _run_plain(ctl: ChatController, console: Console) -> int:
+    """stdin is a pipe or a file: one message or command per line (\"\"\"-blocks span lines)."""
+    shell = ChatShell(ctl, ChatUI(console))
+    pending: list[str] = []
+    for raw in sys.stdin:
+        line = raw.rstrip("\n")
+        if pending or open_block(line):
+            pending.append(line)
+            if open_block("\n".join(pending)):
+                continue
+            line, pending = "\n".join(pending), []
+        shell.handle(line)
+        if not shell.running:
+            break
+    if pending:
+        shell.handle("\n".join(pending))
+    return 0
+
+
+def _show_context(ctl: ChatController, console: Console) -> None:
+    """When resuming a session, show where the conversation stands."""
+    tail = ctl.session.path()[-4:]
+    if tail and any(n.role != "system" for n in tail):
+        console.print(Text("… current branch:", style="dim"))
+        console.print(render.conversation_view(tail))

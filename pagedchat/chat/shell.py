@@ -1,0 +1,410 @@
+"""Slash commands and turns on top of the controller, printing through a rich Console.
+
+`ChatShell.handle(line)` is everything the REPL does with one line of input; it never raises and never
+prints a traceback (a UserError is one red line). `ChatUI` is the terminal-facing part it needs: a console,
+live streaming, Ctrl-C catching and (in the real REPL) editing a message in place. Tests drive ChatShell with
+a ChatUI on a StringIO console; the prompt-toolkit REPL (repl.py) adds input, history and completion.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from pagedchat.chat import render
+from pagedchat.chat.controller import MAX_FORK, SET_KEYS, ChatController, TurnResult
+from pagedchat.errors import UserError
+
+REFRESH_S = 1 / 12  # live re-render at most this often: markdown rendering is not free
+
+
+class StreamView:
+    """Live view of one reply or of N variants side by side, while tokens arrive."""
+
+    def __init__(self, console: Console, n: int):
+        self.console, self.n = console, n
+        self.texts = [""] * n
+        self.titles = [f"variant {i + 1}" for i in range(n)]
+        self.live = Live(console=console, auto_refresh=False, vertical_overflow="visible")
+        self._last = 0.0
+
+    def view(self):
+        if self.n == 1:
+            return render.reply_view(self.texts[0])
+        return render.variants_view(self.texts, self.titles, self.console.width)
+
+    def update(self, index: int, text: str) -> None:
+        if index >= self.n:
+            return
+        self.texts[index] = text
+        now = time.monotonic()
+        if now - self._last >= REFRESH_S:
+            self._last = now
+            self.live.update(self.view(), refresh=True)
+
+    def finish(self, result: TurnResult | None) -> None:
+        if result is None and not any(self.texts):
+            self.live.update(Text(""), refresh=True)  # the turn failed before any text: leave no trace
+            return
+        if result is not None:
+            for reply in result.replies:
+                i = (reply.variant or 1) - 1
+                if i < self.n:
+                    self.texts[i] = reply.text
+                    self.titles[i] = f"variant {i + 1} · #{reply.id}"
+        self.live.update(self.view(), refresh=True)
+
+    def __enter__(self):
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.live.stop()
+        if not self.console.is_terminal:
+            self.console.line()  # Live ends its last render with a newline only on terminals
+        return False
+
+
+class ChatUI:
+    """What the shell needs from a terminal. This base version suits tests and piped input."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console()
+
+    def show(self, *renderables) -> None:
+        for r in renderables:
+            self.console.print(r)
+
+    def error(self, message: str) -> None:
+        self.console.print(Text(message, style="bold red"))
+
+    def note(self, message: str) -> None:
+        self.console.print(Text(message, style="yellow"))
+
+    def stream(self, n: int) -> StreamView:
+        return StreamView(self.console, n)
+
+    def ask_edit(self, default: str) -> str | None:
+        """Let the user edit a message in place; None when this UI cannot (the text must be given)."""
+        return None
+
+    def clear_screen(self) -> None:
+        self.console.clear()
+
+    @contextmanager
+    def interruptible(self, ctl: ChatController):
+        """Ctrl-C while a reply streams stops it at the next step (the engine is never cut mid-step)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def stop(signum, frame):
+            ctl.stop_requested = True
+
+        previous = signal.signal(signal.SIGINT, stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
+@dataclass
+class Command:
+    name: str
+    usage: str
+    summary: str
+    run: Callable[["ChatShell", str], None]
+    aliases: tuple[str, ...] = ()
+
+
+class ChatShell:
+    def __init__(self, ctl: ChatController, ui: ChatUI):
+        self.ctl, self.ui = ctl, ui
+        self.running = True
+        self.commands: dict[str, Command] = {}
+        for cmd in _COMMANDS:
+            for name in (cmd.name, *cmd.aliases):
+                self.commands[name] = cmd
+
+    # -- one line of input ----------------------------------------------------------------------------------
+    def handle(self, line: str) -> None:
+        try:
+            self._handle(line)
+        except UserError as e:
+            self.ui.error(str(e))
+        except Exception as e:  # a bug must not kill the REPL or spill a traceback on the user's screen
+            if os.environ.get("PAGEDCHAT_DEBUG") == "1":
+                self.ui.console.print(traceback.format_exc(), markup=False, highlight=False)
+            self.ui.error(f"internal error: {type(e).__name__}: {e}")
+
+    def _handle(self, line: str) -> None:
+        text = unwrap_block(line)
+        stripped = text.strip()
+        if not stripped:
+            return
+        if stripped.startswith("/") and not stripped.startswith("//"):
+            name, _, args = stripped.partition(" ")
+            cmd = self.commands.get(name.lower())
+            if cmd is None:
+                close = [c for c in sorted({c.name for c in _COMMANDS}) if c.startswith(name.lower()[:3])]
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise UserError(f"unknown command {name}{hint} (/help lists them; start a message with // "
+                                f"to send a literal slash)")
+            cmd.run(self, args.strip())
+            return
+        if stripped.startswith("//"):
+            text = text.replace("//", "/", 1)
+        self.turn(lambda on_update: self.ctl.send(text, on_update=on_update), 1)
+
+    def turn(self, run: Callable, n: int) -> TurnResult | None:
+        """Run a generating action with live output, then the notes, the stats line and any save error."""
+        view = self.ui.stream(n)
+        result = None
+        with self.ui.interruptible(self.ctl), view:
+            try:
+                result = run(view.update)
+            finally:
+                view.finish(result)
+        ids = [r.id for r in result.replies]
+        if result.interrupted:
+            kept = ", ".join(f"#{i}" for i in ids) or "nothing"
+            self.ui.note(f"interrupted: the partial reply is kept as {kept} (marked interrupted)")
+        for note in result.notes:
+            self.ui.note(note)
+        self.ui.show(render.stats_line(result.stats, ids))
+        if len(ids) > 1:
+            self.ui.note(f"continuing from variant 1 (#{ids[0]}); /pick K continues from variant K")
+        if result.save_error:
+            self.ui.error(result.save_error)
+        return result
+
+
+def unwrap_block(text: str) -> str:
+    """A message typed as a \"\"\"-block loses its quotes."""
+    s = text.strip()
+    if s.startswith('"""'):
+        s = s[3:]
+        if s.endswith('"""'):
+            s = s[:-3]
+        return s.strip("\n")
+    return text
+
+
+def _node_id(arg: str, usage: str) -> int:
+    word = arg.split(maxsplit=1)[0] if arg.strip() else ""
+    try:
+        return int(word.lstrip("#"))
+    except ValueError:
+        raise UserError(f"usage: {usage} (node ids are shown by /tree)") from None
+
+
+def _count(arg: str, usage: str, low: int, high: int) -> int:
+    try:
+        n = int(arg)
+    except ValueError:
+        raise UserError(f"usage: {usage}") from None
+    if not low <= n <= high:
+        raise UserError(f"usage: {usage} (N from {low} to {high})")
+    return n
+
+
+# -- the commands ---------------------------------------------------------------------------------------------
+def _help(shell: ChatShell, arg: str) -> None:
+    if arg:
+        cmd = shell.commands.get(arg if arg.startswith("/") else "/" + arg)
+        if cmd is None:
+            raise UserError(f"no command {arg}; /help lists them")
+        shell.ui.show(Text(cmd.usage, style="bold"), Text(cmd.summary))
+        if cmd.aliases:
+            shell.ui.show(Text(f"also: {', '.join(cmd.aliases)}", style="dim"))
+        return
+    table = Table(box=None, padding=(0, 2), show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for cmd in _COMMANDS:
+        table.add_row(cmd.usage, cmd.summary.splitlines()[0])
+    shell.ui.show(table, Text('Enter sends; Esc-Enter or Alt-Enter adds a line; """ starts a block that ends with '
+                              '""". Ctrl-C stops a reply (kept, marked interrupted); Ctrl-D exits. '
+                              "Up/Ctrl-R search history; Tab completes commands.", style="dim"))
+
+
+def _exit(shell: ChatShell, arg: str) -> None:
+    shell.running = False
+
+
+def _no_args(arg: str, usage: str) -> None:
+    if arg:
+        raise UserError(f"usage: {usage}")
+
+
+def _new(shell: ChatShell, arg: str) -> None:
+    session = shell.ctl.new_session(arg or None)
+    shell.ui.note(f"new session {session.name} (saved after its first turn; the others stay in the pool)")
+
+
+def _sessions(shell: ChatShell, arg: str) -> None:
+    _no_args(arg, "/sessions")
+    infos, warnings = shell.ctl.store.list()
+    for w in warnings:
+        shell.ui.error(w)
+    shell.ui.show(render.sessions_view(infos, shell.ctl.sessions, shell.ctl.current.name if shell.ctl.current
+                                       else None))
+    shell.ui.show(Text("* current  ● resident in this pool", style="dim"))
+
+
+def _open(shell: ChatShell, arg: str) -> None:
+    if not arg or " " in arg:
+        raise UserError("usage: /open NAME (/sessions lists them)")
+    session, _ = shell.ctl.open_session(arg)
+    shell.ui.note(f"session {session.name}: {session.num_messages} messages, {len(session.tree.leaves())} "
+                  f"branches")
+    tail = session.path()[-4:]
+    if tail:
+        shell.ui.show(render.conversation_view(tail))
+
+
+def _save(shell: ChatShell, arg: str) -> None:
+    if " " in arg:
+        raise UserError("usage: /save [NAME]")
+    path = shell.ctl.save(arg or None)
+    shell.ui.note(f"saved {shell.ctl.session.name} to {path}")
+
+
+def _tree(shell: ChatShell, arg: str) -> None:
+    _no_args(arg, "/tree")
+    shell.ui.show(render.tree_view(shell.ctl.session))
+
+
+def _show(shell: ChatShell, arg: str) -> None:
+    _no_args(arg, "/show")
+    path = shell.ctl.session.path()
+    shell.ui.show(render.conversation_view(path) if path else Text("(no messages on this branch yet)", style="dim"))
+
+
+def _switch(shell: ChatShell, arg: str) -> None:
+    usage = "/switch ID"
+    node = shell.ctl.switch(_node_id(arg, usage))
+    shell.ui.note(f"head is now #{node.id} ({node.role})")
+    shell.ui.show(render.conversation_view(shell.ctl.session.path()[-2:]))
+    if node.role == "user":
+        shell.ui.note("this message has no reply on this branch: /regen answers it")
+
+
+def _regen(shell: ChatShell, arg: str) -> None:
+    _no_args(arg, "/regen")
+    shell.turn(lambda on_update: shell.ctl.regen(on_update=on_update), 1)
+
+
+def _edit(shell: ChatShell, arg: str) -> None:
+    usage = "/edit ID [NEW TEXT]"
+    node_id = _node_id(arg, usage)
+    node = shell.ctl.session.node(node_id)
+    if node.role != "user":
+        raise UserError(f"#{node_id} is a {node.role} message; /edit changes user messages (/regen for "
+                        f"replies, /system for the system prompt)")
+    parts = arg.split(maxsplit=1)
+    text = parts[1] if len(parts) > 1 else shell.ui.ask_edit(node.text)
+    if text is None:
+        raise UserError(f"usage: {usage} (here the new text must follow the id)")
+    text = unwrap_block(text)
+    shell.turn(lambda on_update: shell.ctl.edit(node_id, text, on_update=on_update), 1)
+
+
+def _fork(shell: ChatShell, arg: str) -> None:
+    usage = "/fork N [MESSAGE]"
+    parts = arg.split(maxsplit=1)
+    if not parts:
+        raise UserError(f"usage: {usage}")
+    n = _count(parts[0], usage, 1, MAX_FORK)
+    text = unwrap_block(parts[1]) if len(parts) > 1 else None
+    shell.turn(lambda on_update: shell.ctl.fork(n, text, on_update=on_update), n)
+
+
+def _pick(shell: ChatShell, arg: str) -> None:
+    usage = "/pick K"
+    try:
+        k = int(arg)
+    except ValueError:
+        raise UserError(f"usage: {usage}") from None
+    node = shell.ctl.pick(k)
+    shell.ui.note(f"continuing from variant {k} (#{node.id})")
+
+
+def _system(shell: ChatShell, arg: str) -> None:
+    if not arg:
+        current = shell.ctl.session.system
+        shell.ui.show(Text(f"system prompt: {current!r}" if current else "no system prompt"))
+        return
+    shell.ui.note(shell.ctl.set_system(None if arg == "--clear" else unwrap_block(arg)))
+
+
+def _set(shell: ChatShell, arg: str) -> None:
+    if not arg:
+        params, sources = shell.ctl.sampling()
+        shell.ui.show(render.settings_view(params, sources))
+        return
+    key, _, value = arg.partition(" ")
+    if not value.strip():
+        if key not in SET_KEYS:
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}")
+        raise UserError(f"usage: /set {key} VALUE (or /set {key} default)")
+    shell.ui.note(shell.ctl.set_option(key, value))
+
+
+def _stats(shell: ChatShell, arg: str) -> None:
+    _no_args(arg, "/stats")
+    shell.ui.show(render.pool_view(shell.ctl.pool_stats(), shell.ctl.current.name if shell.ctl.current else None))
+
+
+def _clear(shell: ChatShell, arg: str) -> None:
+    _no_args(arg, "/clear")
+    shell.ctl.clear()
+    shell.ui.clear_screen()
+    shell.ui.note("new conversation: the next message starts from the top (earlier turns stay in /tree)")
+
+
+_COMMANDS = [
+    Command("/help", "/help [COMMAND]", "Show the commands, or one command's help.", _help, ("/?",)),
+    Command("/exit", "/exit", "Leave (the session is already saved). Ctrl-D does the same.", _exit,
+            ("/quit", "/bye")),
+    Command("/new", "/new [NAME]", "Start a new session; the current one stays resident in the same pool.", _new),
+    Command("/sessions", "/sessions", "List saved sessions (* current, ● resident in this pool).", _sessions),
+    Command("/open", "/open NAME", "Make session NAME current (loaded from disk if not resident).", _open),
+    Command("/save", "/save [NAME]", "Save now (every turn autosaves); with NAME, save under a new name and "
+                                     "keep going there.", _save),
+    Command("/tree", "/tree", "Show the conversation tree: node ids, roles, first words, tokens; the current "
+                              "branch in bold, the head marked.", _tree),
+    Command("/show", "/show", "Print the current branch as a transcript.", _show),
+    Command("/switch", "/switch ID", "Move the head to node ID; the next message continues from there and "
+                                     "reuses the cached KV of the shared prefix.", _switch),
+    Command("/regen", "/regen", "A new reply to the last message, as a sibling: the old reply stays in the "
+                                "tree.", _regen),
+    Command("/edit", "/edit ID [NEW TEXT]", "Change an earlier user message: a sibling branch with the new "
+                                            "text is answered; the original branch stays.\nWithout NEW TEXT "
+                                            "the message opens for editing.", _edit),
+    Command("/fork", "/fork N [MESSAGE]", "N variants generated in parallel as forks of one sequence (one "
+                                          "prefill), side by side: of MESSAGE's reply, or new variants of the "
+                                          "last reply. Then /pick K.", _fork),
+    Command("/pick", "/pick K", "Continue from variant K of the last /fork (the others stay in the tree).", _pick),
+    Command("/system", "/system [TEXT|--clear]", "Show or set the system prompt; a new one starts a new "
+                                                 "branch from the top.", _system),
+    Command("/set", "/set [KEY VALUE]", f"Show settings and their sources, or set one of: {', '.join(SET_KEYS)} "
+                                        f"(VALUE 'default' removes the override).", _set),
+    Command("/stats", "/stats", "KV pool: blocks used/free/cached/shared, prefix-hit rate, pins, blocks per "
+                                "session.", _stats),
+    Command("/clear", "/clear", "Clear the screen and start a fresh conversation in this session (nothing is "
+                                "deleted).", _clear),
+]
+
+COMMAND_NAMES = sorted({name for c in _COMMANDS for name in (c.name, *c.aliases)})

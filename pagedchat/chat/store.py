@@ -1,0 +1,162 @@
+"""Sessions on disk: $XDG_DATA_HOME/pagedchat/sessions/NAME.json (default ~/.local/share/pagedchat/...).
+
+Writes are atomic (a temp file in the same folder, fsync, os.replace), files are 0600 and folders 0700, so
+a crash or a full disk never leaves a half-written session. A file that cannot be parsed is moved aside as
+NAME.json.corrupt with a one-line report; the other sessions stay usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedchat.chat.session import Session, check_name
+from pagedchat.chat.tree import now_iso
+from pagedchat.errors import UserError
+
+
+class SaveError(UserError):
+    """A session could not be written; the previous copy on disk is intact."""
+
+
+class CorruptSession(UserError):
+    """A session file could not be read back; it has been moved aside."""
+
+
+def data_dir() -> Path:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.expanduser("~/.local/share")
+    return Path(base) / "pagedchat"
+
+
+def make_private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return path
+
+
+@dataclass
+class SessionInfo:
+    name: str
+    model: str
+    messages: int
+    branches: int
+    updated: str
+    size: int
+
+
+class SessionStore:
+    def __init__(self, root: Path | None = None):
+        self.root = Path(root) if root is not None else data_dir() / "sessions"
+
+    def path(self, name: str) -> Path:
+        return self.root / f"{check_name(name)}.json"
+
+    def exists(self, name: str) -> bool:
+        return self.path(name).is_file()
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name[:-5] for p in self.root.glob("*.json") if p.is_file())
+
+    # -- write ----------------------------------------------------------------------------------------------
+    def save(self, session: Session) -> Path:
+        target = self.path(session.name)
+        session.updated = now_iso()
+        data = json.dumps(session.to_dict(), ensure_ascii=False, separators=(",", ":")).encode()
+        tmp = None
+        try:
+            make_private_dir(self.root.parent)
+            make_private_dir(self.root)
+            fd, tmp = tempfile.mkstemp(prefix=f".{session.name}.", suffix=".tmp", dir=self.root)  # mode 0600
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            tmp = None
+        except OSError as e:
+            reason = e.strerror or str(e)
+            raise SaveError(f"could not save session {session.name} to {target}: {reason} "
+                            f"(the previous copy on disk is unchanged)") from None
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+        return target
+
+    def remove(self, name: str) -> Path:
+        path = self.path(name)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            raise UserError(f"no session named {name!r} in {self.root}") from None
+        except OSError as e:
+            raise UserError(f"could not remove {path}: {e.strerror}") from None
+        return path
+
+    # -- read -----------------------------------------------------------------------------------------------
+    def load(self, name: str) -> Session:
+        path = self.path(name)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise UserError(f"no session named {name!r} in {self.root}") from None
+        except OSError as e:
+            raise UserError(f"cannot read session {path}: {e.strerror}") from None
+        try:
+            return Session.from_dict(json.loads(raw), name)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            aside = self._set_aside(path)
+            reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            raise CorruptSession(f"session {name} is corrupt ({reason}); moved it aside to {aside}") from None
+
+    def _set_aside(self, path: Path) -> Path:
+        aside = path.with_name(path.name + ".corrupt")
+        n = 1
+        while aside.exists():
+            aside = path.with_name(f"{path.name}.corrupt.{n}")
+            n += 1
+        try:
+            os.replace(path, aside)
+        except OSError:
+            return path  # cannot move it (read-only folder): leave it, the report still names it
+        return aside
+
+    def list(self) -> tuple[list[SessionInfo], list[str]]:
+        """Every readable session (newest first) and one warning line per corrupt file set aside."""
+        infos, warnings = [], []
+        for name in self.names():
+            try:
+                session = self.load(name)
+            except UserError as e:
+                warnings.append(str(e))
+                continue
+            infos.append(SessionInfo(name, session.model, session.num_messages, len(session.tree.leaves()),
+                                     session.updated, self.path(name).stat().st_size))
+        infos.sort(key=lambda i: i.updated, reverse=True)
+        return infos, warnings
+
+    def most_recent(self) -> str | None:
+        infos, _ = self.list()
+        return infos[0].name if infos else None
+
+    def unused_name(self, stem: str) -> str:
+        name, n = stem, 2
+        while self.exists(name):
+            name = f"{stem}-{n}"
+            n += 1
+        return name
+
+
+def history_file() -> Path:
+    """The REPL's input history (prompt-toolkit FileHistory), private like the sessions."""
+    path = make_private_dir(data_dir()) / "history"
+    if not path.exists():
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o600))
+    os.chmod(path, 0o600)
+    return path

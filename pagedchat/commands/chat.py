@@ -1,0 +1,57 @@
+"""`pagedchat chat`: the interactive REPL (streaming replies, conversation trees, variants, sessions)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from pagedchat.commands import common
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat", help="Chat interactively: branch, regenerate, edit, fork N variants; sessions autosave. "
+                             "Type /help inside.")(chat)
+
+
+def chat(
+    model: Optional[str] = common.MODEL,
+    session: Optional[str] = typer.Option(None, "--session", "-s",
+                                          help="Open session NAME (created if new); default: a new session."),
+    continue_last: bool = typer.Option(False, "-c", "--continue", help="Reopen the most recently used session."),
+    system: Optional[str] = common.SYSTEM,
+    temperature: Optional[float] = common.TEMPERATURE,
+    top_p: Optional[float] = common.TOP_P,
+    top_k: Optional[int] = common.TOP_K,
+    min_p: Optional[float] = common.MIN_P,
+    repetition_penalty: Optional[float] = common.REPETITION_PENALTY,
+    max_tokens: Optional[int] = common.MAX_TOKENS,
+    seed: Optional[int] = common.SEED,
+    stop: Optional[list[str]] = common.STOP,
+    device: str = common.DEVICE,
+    dtype: Optional[str] = common.DTYPE,
+    block_size: int = common.BLOCK_SIZE,
+    kv_memory: Optional[str] = common.KV_MEMORY,
+    max_context: Optional[int] = common.MAX_CONTEXT,
+) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    from pagedchat.chat.app import start
+    from pagedchat.chat.repl import run_repl
+
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
+    sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
+    _check_flags(sampling)
+    ctl, created = start(model_opts, sampling, session, continue_last, system)
+    console = Console(highlight=False)
+    if system is not None and not created and (ctl.session.system or None) != (system or None):
+        console.print(Text(ctl.set_system(system), style="yellow"))
+    raise typer.Exit(run_repl(ctl, console))
+
+
+def _check_flags(sampling: common.SamplingOptions) -> None:
+    """Bad sampling flags fail before the model loads (the SamplingParams message, one line)."""
+    from pagedchat.engine import SamplingParams
+
+    SamplingParams(**sampling.given())
