@@ -39,6 +39,9 @@ class ModelRunner:
         for layer, k, v in zip(self.model.attention_layers(), self.k_caches, self.v_caches):
             layer.k_cache, layer.v_cache, layer.backend = k, v, backend
         self.backend = backend
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
 
     def _num_blocks(self, config: EngineConfig) -> int:
         if config.num_blocks is not None:
@@ -97,7 +100,10 @@ class ModelRunner:
         """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token."""
         self.copy_blocks(batch.copies)
         ids, positions, slots, meta, sample_rows, samplers = self._prepare(batch)
-        hidden = self.model(ids, positions, meta)
+        if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
+            hidden = self.graphs.replay(ids, positions, meta)
+        else:
+            hidden = self.model(ids, positions, meta)
         if not sample_rows:
             return None, []
         rows = torch.tensor(sample_rows, device=self.device)
@@ -130,3 +136,73 @@ class ModelRunner:
             max_seq_len=max(seq_lens))
         return (torch.cat(ids).to(dev, non_blocking=True), torch.cat(positions).to(dev, non_blocking=True),
                 meta.slot_mapping, meta, sample_rows, samplers)
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step for a ladder of batch sizes; a batch is padded up to the next size.
+
+    Small models are bound by Python launch overhead at decode; one graph replay replaces hundreds of
+    launches. Padded rows write nowhere (slot -1) and attend to nothing (length 0). The block-table width is
+    fixed at the model's full context, so the decode kernel's split count is the same at capture and replay.
+    """
+
+    def __init__(self, runner: ModelRunner, sizes: list[int]):
+        dev, max_batch = runner.device, sizes[-1]
+        max_blocks = -(-runner.loaded.max_model_len // runner.block_size)
+        self.runner, self.sizes, self.max_batch = runner, sizes, max_batch
+        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
+        self.slots = torch.full((max_batch,), -1, dtype=torch.long, device=dev)
+        self.tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
+        self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    @classmethod
+    def capture(cls, runner: ModelRunner, max_batch: int) -> "DecodeGraphs | None":
+        sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch + 1, 16))
+        if not sizes or sizes[-1] < max_batch:
+            sizes.append(max_batch)
+        graphs = cls(runner, sizes)
+        try:
+            graphs._capture_all()
+        except Exception as e:  # a model or kernel that cannot be captured still runs, just eagerly
+            import sys
+
+            print(f"pagedchat: CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly",
+                  file=sys.stderr)
+            return None
+        return graphs
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(self.slots[:size], self.tables[:size], self.seq_lens[:size], self.cu[:size + 1],
+                                 is_decode=True)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        model, pool = self.runner.model, None
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            meta = self._meta(size)
+            model(self.ids[:size], self.positions[:size], meta)  # warm-up: compiles the kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = model(self.ids[:size], self.positions[:size], meta)
+            pool = graph.pool()
+            self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+
+    def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        batch = ids.shape[0]
+        size = next(s for s in self.sizes if s >= batch)
+        width = meta.block_tables.shape[1]
+        self.ids[:batch].copy_(ids)
+        self.positions[:batch].copy_(positions)
+        self.slots[:batch].copy_(meta.slot_mapping)
+        self.slots[batch:size].fill_(-1)
+        self.tables[:batch, :width].copy_(meta.block_tables)
+        self.seq_lens[:batch].copy_(meta.seq_lens)
+        self.seq_lens[batch:size].fill_(0)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:batch]
