@@ -24,6 +24,12 @@ import triton.language as tl
 from ._launch import check_cache_pair, dot_precision, interpreting, kernel, next_pow2, sm_count
 
 LOG2E = math.log2(math.e)
+# tl.max / tl.sum / tl.zeros / tl.cdiv are themselves @triton.jit functions, frozen into compiled or
+# interpreted form when triton is first imported. Reducing with their combine functions directly (and
+# using tl.full and integer arithmetic) keeps these kernels runnable by the interpreter whatever the
+# TRITON_INTERPRET value was at import time; the interpreter maps these two combiners to numpy.
+_max_combine = tl.standard._elementwise_max
+_sum_combine = tl.standard._sum_combine
 _NEG_BIG = tl.constexpr(-1e30)  # initial running max: finite, far below any real score
 
 
@@ -52,7 +58,8 @@ def _decode_split_kernel(
     # Splits are cut from this sequence's own length (rounded to whole tiles), so a short sequence in
     # a batch sized for long ones still spreads over all its splits; trailing splits may be empty.
     seq_len = tl.load(lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    per_split = (seq_len + num_splits - 1) // num_splits
+    split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     kv_start = split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
 
@@ -69,8 +76,8 @@ def _decode_split_kernel(
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_D], 0.0, tl.float32)
     table_row = table_ptr + seq64 * stride_tb
     for tile in range(kv_start, kv_end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
@@ -85,10 +92,10 @@ def _decode_split_kernel(
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         p = p.to(v.dtype)  # flash-attention convention: P in the input dtype for the second dot
         if DOT_FP32:
             p = p.to(tl.float32)
@@ -126,13 +133,13 @@ def _decode_merge_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
+    top = tl.reduce(lse, 0, _max_combine)
     top = tl.where(top == float("-inf"), 0.0, top)  # every split empty: weights all 0, output 0
     weight = tl.exp2(lse - top)
-    total = tl.sum(weight, 0)
+    total = tl.reduce(weight, 0, _sum_combine)
     part = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + s[:, None] * stride_ps + d[None, :],
                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    out = tl.reduce(part * weight[:, None], 0, _sum_combine) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
@@ -273,8 +280,8 @@ def _prefill_kernel(
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M * BLOCK_G], _NEG_BIG, tl.float32)
-    l_i = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_M * BLOCK_G, BLOCK_D], tl.float32)
+    l_i = tl.full([BLOCK_M * BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M * BLOCK_G, BLOCK_D], 0.0, tl.float32)
     table_row = table_ptr + seq.to(tl.int64) * stride_tb
     # Keys after the tile's last token are invisible to all its rows: stop there.
     kv_end = tl.minimum(ctx_len, prefix_len + tl.minimum(tile_start + BLOCK_M, q_len))
@@ -294,10 +301,10 @@ def _prefill_kernel(
         # pay one compare, which is cheaper than a second copy of the loop body.
         visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
+        l_i = l_i * alpha + tl.reduce(p, 1, _sum_combine)
         p = p.to(v.dtype)
         if DOT_FP32:
             p = p.to(tl.float32)
