@@ -12,6 +12,7 @@ backend="triton" or backend="torch" forces a path; `set_default_backend` changes
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -29,9 +30,14 @@ except ImportError:  # CPU-only install without the `gpu` extra
     HAS_TRITON = False
 
 if HAS_TRITON:
-    from .triton_attention import paged_decode_attention_triton, paged_prefill_attention_triton
-    from .triton_cache import copy_blocks_triton, write_kv_triton
-    from ._launch import interpreting
+    try:
+        from ._launch import interpreting
+        from .triton_attention import paged_decode_attention_triton, paged_prefill_attention_triton
+        from .triton_cache import copy_blocks_triton, write_kv_triton
+    except (ImportError, AttributeError) as exc:  # a Triton whose API moved: keep the torch path alive
+        HAS_TRITON = False
+        warnings.warn(f"pagedchat.kernels: Triton kernels unavailable ({exc!r}); using the torch path",
+                      RuntimeWarning, stacklevel=2)
 
 __all__ = [
     "HAS_TRITON",
@@ -71,13 +77,14 @@ def triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
-def resolve_backend(backend: str | None, tensor: torch.Tensor) -> str:
-    """Return "triton" or "torch" for a call whose main tensor is `tensor`."""
+def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
+    """Return "triton" or "torch" for a call on `tensors` (the first one decides the device)."""
     backend = backend or _default_backend
     assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
     if backend == "auto":
-        runnable = tensor.is_cuda or triton_interpret_enabled()
-        backend = "triton" if HAS_TRITON and tensor.dtype in _TRITON_DTYPES and runnable else "torch"
+        runnable = tensors[0].is_cuda or triton_interpret_enabled()
+        supported = all(t.dtype in _TRITON_DTYPES for t in tensors)
+        backend = "triton" if HAS_TRITON and supported and runnable else "torch"
     if backend == "triton" and not HAS_TRITON:
         raise RuntimeError("backend='triton' requested but triton is not installed")
     return backend
@@ -88,7 +95,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
 
     `out` (optional, shape and dtype of q) receives the result and is returned: every row is written.
     """
-    if resolve_backend(backend, q) == "triton":
+    if resolve_backend(backend, q, k_cache) == "triton":
         return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
 
@@ -99,7 +106,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
 
     `out` (optional) receives the result; rows outside every sequence's query range are unspecified.
     """
-    if resolve_backend(backend, q) == "triton":
+    if resolve_backend(backend, q, k_cache) == "triton":
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
                                               scale, out)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
@@ -108,7 +115,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None) -> None:
     """Scatter k, v [N, Hkv, D] into the caches at slot_mapping [N]; negative slots are skipped."""
-    if resolve_backend(backend, k_cache) == "triton":
+    if resolve_backend(backend, k_cache, k) == "triton":
         return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 

@@ -11,6 +11,8 @@ exp2(old_max - new_max) and exp2(score - max) are never inf - inf; a row that se
 sum 0 and is written as zeros. All addresses derived from a block id or a token index are int64.
 
 Kernels are plain functions made launchable by `kernel(fn)` at the first call (see _launch.py).
+DOT_FP32 (set only under the interpreter) upcasts the tl.dot operands: the interpreter multiplies bf16
+tensors as their raw uint16 bits. The compiled path never sets it.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _decode_split_kernel(
     row_mask = head_ok[:, None] & d_ok[None, :]
     seq64 = seq.to(tl.int64)
     q = tl.load(q_ptr + seq64 * stride_qb + q_head[:, None] * stride_qh + d[None, :], mask=row_mask,
-                other=0.0)
+                other=0.0).to(k_ptr.dtype.element_ty)  # tl.dot wants one dtype; a no-op when they match
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -184,7 +186,6 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     batch, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     assert cache_dim == head_dim and num_q_heads % num_kv_heads == 0
-    assert q.dtype == k_cache.dtype, "q and the caches must share a dtype"
     assert block_tables.shape[0] == batch and seq_lens.shape[0] == batch
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -221,7 +222,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], HEAD_BLOCKS=head_blocks,
-        SINGLE_SPLIT=single, DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
+        SINGLE_SPLIT=single, DOT_FP32=interpreting(), PRECISION=dot_precision(k_cache.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not single:
@@ -275,7 +276,7 @@ def _prefill_kernel(
     d_ok = d < HEAD_DIM
     row_mask = row_ok[:, None] & d_ok[None, :]
     q_rows = (q_start + t).to(tl.int64) * stride_qt + q_head * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_mask, other=0.0)
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :], mask=row_mask, other=0.0).to(k_ptr.dtype.element_ty)
     if DOT_FP32:
         q = q.to(tl.float32)
 
@@ -331,7 +332,6 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     total_q, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_dim = k_cache.shape
     assert cache_dim == head_dim and num_q_heads % num_kv_heads == 0
-    assert q.dtype == k_cache.dtype, "q and the caches must share a dtype"
     batch = seq_lens.shape[0]
     assert cu_seqlens_q.shape[0] == batch + 1 and block_tables.shape[0] == batch
     if q.stride(-1) != 1:
@@ -355,6 +355,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     head_blocks = triton.cdiv(group, block_g)
     block_m = cfg["ROWS"] // block_g
     grid = (batch, num_kv_heads * head_blocks, triton.cdiv(max_q_len, block_m))
+    assert grid[1] < 65536 and grid[2] < 65536, "chunk too long for one launch: split the prefill"
     kernel(_prefill_kernel)[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
         scale * LOG2E,
@@ -364,7 +365,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
-        HEAD_BLOCKS=head_blocks, DOT_FP32=interpreting(), PRECISION=dot_precision(q.dtype),
+        HEAD_BLOCKS=head_blocks, DOT_FP32=interpreting(), PRECISION=dot_precision(k_cache.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

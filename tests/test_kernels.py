@@ -271,6 +271,22 @@ def test_decode_all_empty_and_long(interpret):
 
 
 @needs_triton
+def test_decode_and_prefill_fp32_queries_over_bf16_cache(interpret):
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, table = make_case([40, 7], 16, 2, 64, torch.bfloat16, gen)
+    lens, cu = torch.tensor([40, 7], dtype=torch.int32), torch.tensor([0, 40, 47], dtype=torch.int32)
+    q = torch.randn(47, 8, 64, generator=gen)
+    for got, ref in [
+        (K.paged_decode_attention(q[:2], k_cache, v_cache, table, lens, 0.125, backend="triton"),
+         K.paged_decode_attention_ref(q[:2].double(), k_cache.double(), v_cache.double(), table, lens, 0.125)),
+        (K.paged_prefill_attention(q, k_cache, v_cache, table, cu, lens, 0.125, backend="triton"),
+         K.paged_prefill_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, cu, lens, 0.125)),
+    ]:
+        assert got.dtype == torch.float32  # q's dtype; q is rounded to the cache dtype for the dot
+        torch.testing.assert_close(got.double(), ref, rtol=3e-2, atol=3e-2)
+
+
+@needs_triton
 @bounded(25)
 @given(data=st.data())
 def test_decode_random_shapes(interpret, data):
