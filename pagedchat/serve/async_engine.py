@@ -174,10 +174,14 @@ class AsyncEngine:
                 if self._stopping:
                     break
                 commands, self._commands = self._commands, deque()
-            for fn, future in commands:
-                self._run_command(fn, future)
-            if self.engine.has_unfinished():
-                self._step()
+            try:
+                for fn, future in commands:
+                    self._run_command(fn, future)
+                if self.engine.has_unfinished():
+                    self._step()
+            except Exception as e:  # a bug here must not leave every client waiting forever
+                log.exception("engine loop error")
+                self._fail_all(Failure(f"engine error: {type(e).__name__}: {e}", 500, "engine_error"))
         self._shutdown()
 
     def _run_command(self, fn, future: concurrent.futures.Future) -> None:
