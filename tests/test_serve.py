@@ -342,7 +342,7 @@ def test_bad_requests_get_openai_errors(server, client):
     _assert_shape(e.value.response.json())
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=NAME, prompt=[1, 2, 10**6], max_tokens=2)
-    assert e.value.status_code == 400
+    assert e.value.status_code == 400 and e.value.param == "prompt"
 
     # No-op values of unsupported fields are accepted, and so are the model's path and its alias names.
     ok = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=2, presence_penalty=0,

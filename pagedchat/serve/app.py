@@ -118,7 +118,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
 
             return _checked(engine, render_chat(engine, messages, settings.template_kwargs), "messages")
 
-        group = await _submit(aengine, [prompt_ids], params)
+        group = await _submit(aengine, [prompt_ids], params, "messages")
         reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -138,7 +138,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
                 return _checked(engine, ids, "prompt")
             return build
 
-        group = await _submit(aengine, [raw_ids(p) for p in completion_prompts(body)], params)
+        group = await _submit(aengine, [raw_ids(p) for p in completion_prompts(body)], params, "prompt")
         reply = _Reply("cmpl", settings.model_name, body.n, chat=False)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -183,14 +183,14 @@ def _checked(engine, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-async def _submit(aengine: AsyncEngine, prompts, params: SamplingParams) -> RequestGroup:
+async def _submit(aengine: AsyncEngine, prompts, params: SamplingParams, param: str) -> RequestGroup:
     """Queue the prompts; errors raised while building or adding them become 400s (nothing is queued)."""
     try:
         return await aengine.add(prompts, params)
     except APIError:
         raise
-    except UserError as e:
-        raise APIError(400, str(e)) from None
+    except UserError as e:    # engine checks on the prompt: empty, token ids outside the vocabulary, ...
+        raise APIError(400, str(e), param=param) from None
     except Exception as e:
         if type(e).__module__.startswith("jinja2"):   # the chat template rejected the messages
             raise APIError(400, f"the model's chat template rejected the messages: {e}", param="messages") from None

@@ -94,7 +94,7 @@ class RequestGroup:
 
 @dataclass
 class Counters:
-    requests: int = 0        # engine requests accepted
+    total: int = 0           # engine requests accepted
     aborted: int = 0         # stopped early because the client went away (or the server stopped)
     failed: int = 0          # ended by an error
 
@@ -230,7 +230,7 @@ class AsyncEngine:
                 rid = engine.add_request(ids, params, request_id=f"{group.name}-{slot}")
                 group.request_ids[slot] = rid
                 self._slots[rid] = (group, slot)
-                self.counters.requests += 1
+                self.counters.total += 1
         except BaseException:
             self._drop(engine, group)
             raise
