@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
@@ -70,17 +71,34 @@ class Registry:
         self.user_path = user or user_config_path()
         base = _read_toml(self.bundled_path)
         over = _read_toml(self.user_path) if self.user_path.is_file() else {}
-        self.defaults = {**base.get("defaults", {}), **over.get("defaults", {})}
+        for path, doc in ((self.bundled_path, base), (self.user_path, over)):
+            _validate_top(path, doc)
+        # Where each setting was read: "defaults" / model name -> key (or "sampling.KEY") -> file.
+        self.origins: dict[str, dict[str, Path]] = {}
+        self.defaults: dict = {}
+        for path, doc in ((self.bundled_path, base), (self.user_path, over)):
+            if "defaults" in doc:
+                _validate_entry(path, "defaults", doc["defaults"], DEFAULT_KEYS)
+                self.defaults = _layer(self.defaults, doc["defaults"], path, self.origins.setdefault("defaults", {}))
         self.models: dict[str, dict] = {}
         self.origin: dict[str, Path] = {}
         for path, doc in ((self.bundled_path, base), (self.user_path, over)):
             for name, table in (doc.get("models") or {}).items():
-                self.models[name] = {**self.models.get(name, {}), **table}
+                _validate_entry(path, f"models.{name}", table, ENTRY_KEYS)
+                self.models[name] = _layer(self.models.get(name, {}), table, path, self.origins.setdefault(name, {}))
                 self.origin[name] = path
-        for name, table in self.models.items():
-            _validate_entry(self.origin[name], f"models.{name}", table, ENTRY_KEYS)
-        _validate_entry(self.user_path if over.get("defaults") else self.bundled_path, "defaults", self.defaults,
-                        DEFAULT_KEYS)
+        _check_aliases(self)
+
+    def where(self, table: str, key: str | None = None) -> str:
+        """'file:line' of a setting (table = "defaults" or a model name; key may be "sampling.temperature")."""
+        path = self.origins.get(table, {}).get(key) if key else self.origin.get(table)
+        if path is None and table == "defaults" and key is None:
+            path = next(iter(self.origins.get("defaults", {}).values()), None)
+        if path is None:
+            return ""
+        header = "defaults" if table == "defaults" else f"models.{table}"
+        line = locate(path, header, key)
+        return f"{path}:{line}" if line else str(path)
 
     def names(self) -> list[str]:
         return sorted(self.models)
@@ -104,7 +122,8 @@ class Registry:
             source = table.get("path") or table.get("source")
             if not source:
                 raise UserError(f"{self.origin[key]}: [models.{key}] needs a `source` (path or HF repo id)")
-            return ModelEntry(key, _source_path(source, self.origin[key]), source, table, self.defaults)
+            origin = self.origins[key].get("path") or self.origins[key].get("source") or self.origin[key]
+            return ModelEntry(key, _source_path(source, origin), source, table, self.defaults)
         path = Path(name).expanduser()
         if path.exists() or "/" in name or name.startswith("."):
             return ModelEntry(name, path if path.exists() else Path(name), name, {}, self.defaults)
@@ -132,27 +151,127 @@ def _read_toml(path: Path) -> dict:
     except FileNotFoundError:
         return {}
     except tomllib.TOMLDecodeError as e:
-        raise UserError(f"invalid models.toml {path}: {e}") from None
+        message = str(e)
+        m = re.search(r"\s*\(at line (\d+), column (\d+)\)", message)
+        if m:
+            message = f"{message[:m.start()]}{message[m.end():]}"
+            raise UserError(f"{path}:{m.group(1)}:{m.group(2)}: invalid TOML: {message}") from None
+        raise UserError(f"{path}: invalid TOML: {message}") from None
     except OSError as e:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
 
 
+_SUBTABLES = ("sampling", "kv", "chat_template_kwargs")
+
+
+def _layer(base: dict, over: dict, path: Path, origins: dict) -> dict:
+    """`over` on top of `base`; sub-tables such as sampling merge key by key. Records each key's file."""
+    out = dict(base)
+    for key, value in over.items():
+        if key in _SUBTABLES and isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            out[key] = value
+        origins[key] = path
+        if key in _SUBTABLES and isinstance(value, dict):
+            for sub in value:
+                origins[f"{key}.{sub}"] = path
+    return out
+
+
+def locate(path: Path, header: str, key: str | None = None) -> int | None:
+    """Line number of `key` ("name" or "sampling.name") in table [header] of a TOML file; the header's line
+    when the key is not written there; None when the table is not in the file either."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError:
+        return None
+    first, _, rest = (key or "").partition(".")
+    current, header_line = None, None
+    for number, line in enumerate(lines, 1):
+        m = re.match(r"^\s*\[\s*([^\[\]]+?)\s*\]", line)
+        if m:
+            current = re.sub(r"[\s\"']", "", m.group(1))
+            if current == header and header_line is None:
+                header_line = number
+                if key is None:
+                    return number
+            continue
+        if key is None:
+            continue
+        name = r"^\s*[\"']?{}[\"']?\s*"
+        if current == header and re.match(name.format(re.escape(first)) + (r"[=.]" if rest else "="), line):
+            return number
+        if rest and current == f"{header}.{first}" and re.match(name.format(re.escape(rest)) + "=", line):
+            return number
+    return header_line
+
+
+def _validate_top(path: Path, doc: dict) -> None:
+    unknown = sorted(set(doc) - {"defaults", "models"})
+    if unknown:
+        raise UserError(f"{path}:{locate(path, unknown[0]) or 1}: unknown top-level table [{unknown[0]}] "
+                        f"(models.toml has [defaults] and [models.NAME])")
+    if not isinstance(doc.get("models", {}), dict):
+        raise UserError(f"{path}: `models` must be a table of [models.NAME] tables")
+
+
+def _check_aliases(registry: "Registry") -> None:
+    seen: dict[str, str] = {}
+    for name, table in registry.models.items():
+        for alias in table.get("aliases") or []:
+            other = seen.get(alias) or (alias if alias in registry.models and alias != name else None)
+            if other:
+                raise UserError(f"{registry.where(name, 'aliases')}: alias {alias!r} of [models.{name}] is "
+                                f"already the name or an alias of [models.{other}]")
+            seen[alias] = name
+
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
+_TYPES = {"source": str, "path": str, "revision": str, "dtype": str, "chat_template": str, "system_prompt": str,
+          "description": str, "model": str, "keep_alive": str, "trust_remote_code": bool, "max_context": int,
+          "sampling": dict, "kv": dict, "chat_template_kwargs": dict}
+
+
 def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> None:
+    def fail(message: str, key: str | None = None):
+        line = locate(path, where, key)
+        raise UserError(f"{path}:{line}: [{where}] {message}" if line else f"{path}: [{where}] {message}")
+
     if not isinstance(table, dict):
-        raise UserError(f"invalid models.toml {path}: [{where}] must be a table")
+        fail("must be a table")
     unknown = sorted(set(table) - allowed)
     if unknown:
-        raise UserError(f"invalid models.toml {path}: [{where}] has unknown key {unknown[0]!r} "
-                        f"(allowed: {', '.join(sorted(allowed))})")
+        fail(f"has unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})", unknown[0])
+    for key, kind in _TYPES.items():
+        if key in table and (not isinstance(table[key], kind) or kind is int and isinstance(table[key], bool)):
+            fail(f"{key} must be {_KIND_NAMES[kind]}, got {table[key]!r}", key)
+    if "dtype" in table and table["dtype"] not in _DTYPES:
+        fail(f"dtype must be one of {', '.join(_DTYPES)}, got {table['dtype']!r}", "dtype")
+    if "max_context" in table and table["max_context"] < 1:
+        fail(f"max_context must be a positive number of tokens, got {table['max_context']}", "max_context")
+    aliases = table.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+        fail("aliases must be a list of strings", "aliases")
+    stop = table.get("stop", [])
+    if not isinstance(stop, (str, list)) or isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
+        fail("stop must be a string or a list of strings", "stop")
     sampling = table.get("sampling") or {}
-    if not isinstance(sampling, dict):
-        raise UserError(f"invalid models.toml {path}: [{where}] sampling must be a table")
     bad = sorted(set(sampling) - set(SAMPLING_KEYS))
     if bad:
-        raise UserError(f"invalid models.toml {path}: [{where}] sampling has unknown key {bad[0]!r} "
-                        f"(allowed: {', '.join(SAMPLING_KEYS)})")
-    if "aliases" in table and not isinstance(table["aliases"], list):
-        raise UserError(f"invalid models.toml {path}: [{where}] aliases must be a list of strings")
+        fail(f"sampling has unknown key {bad[0]!r} (allowed: {', '.join(SAMPLING_KEYS)})", f"sampling.{bad[0]}")
+    if sampling:
+        from pagedchat.engine.sampling_params import SamplingParams
+
+        try:
+            SamplingParams(**sampling)
+        except UserError as e:
+            fail(f"sampling: {e}", f"sampling.{next(iter(sampling))}")
+        except TypeError as e:
+            fail(f"sampling: {e}", "sampling")
+
+
+_KIND_NAMES = {str: "a string", bool: "true or false", int: "an integer", dict: "a table"}
 
 
 def _generation_config(path: Path) -> dict:

@@ -6,6 +6,8 @@ containing "[bold]" or "[/]" prints as written.
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from rich.console import Group
 from rich.markdown import Markdown
 from rich.panel import Panel
@@ -133,18 +135,30 @@ def pool_view(stats: dict, current: str | None) -> Group:
     return Group(*parts)
 
 
+def local_time(iso: str) -> str:
+    try:
+        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
+    except ValueError:
+        return iso[:16]
+
+
 def sessions_view(infos, resident: dict, current: str | None) -> Table:
     table = Table(box=None, padding=(0, 2), header_style="bold")
-    for column in ("", "name", "model", "messages", "branches", "updated"):
-        table.add_column(column)
+    table.add_column("")
+    table.add_column("name", no_wrap=True)
+    table.add_column("model", overflow="fold", min_width=12)
+    table.add_column("messages", justify="right", no_wrap=True)
+    table.add_column("branches", justify="right", no_wrap=True)
+    table.add_column("updated", no_wrap=True)
     seen = set()
     for info in infos:
         seen.add(info.name)
         mark = "*" if info.name == current else ("●" if info.name in resident else "")
-        table.add_row(mark, info.name, info.model, str(info.messages), str(info.branches), info.updated[:19])
+        table.add_row(mark, Text(info.name), Text(info.model), str(info.messages), str(info.branches),
+                      local_time(info.updated))
     for name, s in resident.items():
         if name not in seen:
-            table.add_row("*" if name == current else "●", name, s.model, str(s.num_messages),
+            table.add_row("*" if name == current else "●", Text(name), Text(s.model), str(s.num_messages),
                           str(len(s.tree.leaves())), "(not saved yet)")
     return table
 
@@ -160,8 +174,8 @@ def settings_view(params, sources: dict) -> Table:
 
 def export_markdown(session: Session, all_branches: bool = False) -> str:
     """The current conversation (or every branch) as Markdown."""
-    lines = [f"# {session.name}", "", f"- model: {session.model}", f"- created: {session.created}",
-             f"- updated: {session.updated}", ""]
+    lines = [f"# {session.name}", "", f"- model: {session.model}", f"- created: {local_time(session.created)}",
+             f"- updated: {local_time(session.updated)}", ""]
     branches = [session.path()] if not all_branches else [session.tree.path(leaf.id)
                                                           for leaf in session.tree.leaves()]
     for number, path in enumerate(branches, 1):

@@ -1,0 +1,80 @@
+"""`pagedchat run --session NAME` / `run -c`: one turn of a saved session from the shell.
+
+The reply streams to stdout (or one JSON object with --json), the exchange is saved in the session, and
+the exit code says what happened: 0 done, 1 the reply failed or could not be saved, 2 a usage error
+(raised as UserError), 130 interrupted (the partial reply is saved, marked interrupted).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pagedchat.chat.app import start
+from pagedchat.commands.common import ModelOptions, SamplingOptions
+from pagedchat.errors import UserError
+
+
+def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: str, session: str | None,
+                   continue_last: bool, system: str | None, num_variants: int, as_json: bool) -> int:
+    if not text or not text.strip():
+        raise UserError("the prompt is empty")
+    ctl, created = start(model_opts, sampling, session, continue_last, system, show_progress=not as_json)
+    current = ctl.session
+    if system is not None and not created and (current.system or None) != (system or None) \
+            and current.num_messages:
+        raise UserError(f"session {current.name} has a different system prompt; --system only applies to new "
+                        f"sessions (use /system in `pagedchat chat --session {current.name}`)")
+    if system is not None and not current.num_messages:
+        current.system = system or None
+    head = current.head_node()
+    streaming = not as_json and num_variants == 1
+    shown = [0]
+
+    def write(index: int, so_far: str) -> None:
+        sys.stdout.write(so_far[shown[0]:])
+        sys.stdout.flush()
+        shown[0] = len(so_far)
+
+    if head is not None and head.role == "user":
+        raise UserError(f"the head of session {current.name} (#{head.id}) is a message with no reply; answer "
+                        f"it in `pagedchat chat --session {current.name}` (/regen)")
+    result = ctl.send(text, n=num_variants, on_update=write if streaming else None)
+    if as_json:
+        print(json.dumps(_report(ctl, result)))
+    elif streaming:
+        reply = result.replies[0] if result.replies else None
+        if reply is not None and len(reply.text) > shown[0]:
+            sys.stdout.write(reply.text[shown[0]:])  # text held back while it might have been a stop string
+        sys.stdout.write("\n")
+    else:
+        for reply in result.replies:
+            print(f"--- variant {reply.variant or 1} (#{reply.id}) ---")
+            print(reply.text)
+    sys.stdout.flush()
+    if result.save_error:
+        print(f"pagedchat: error: {result.save_error}", file=sys.stderr)
+        return 1
+    if result.interrupted:
+        print(f"pagedchat: interrupted (the partial reply is saved in session {current.name})", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _report(ctl, result) -> dict:
+    """The DESIGN.md `--json` shape, plus where the exchange went in the session."""
+    stats = result.stats
+    pool = ctl.engine.pool.stats()
+    decode = stats["tokens_per_s"]
+    return {
+        "model": ctl.entry.name,
+        "session": {"name": ctl.session.name, "user_node": result.user.id if result.user else None,
+                    "reply_nodes": [r.id for r in result.replies], "head": ctl.session.head},
+        "outputs": [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason}
+                    for r in result.replies],
+        "usage": {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["completion_tokens"],
+                  "prompt_cached_tokens": stats["prompt_cached"]},
+        "kv": {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
+               "prefix_hit_tokens": pool.prefix_hit_tokens},
+        "timing": {"ttft_s": stats["ttft_s"], "decode_tokens_per_s": decode, "total_s": stats["total_s"]},
+    }

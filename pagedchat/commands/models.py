@@ -1,0 +1,163 @@
+"""`pagedchat models list|show NAME`: the models.toml registry and every resolved setting with its source."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+models_app = typer.Typer(help="The model registry (models.toml: bundled copy, user copy layered over it).",
+                         no_args_is_help=False, invoke_without_command=True)
+
+ENTRY_SETTINGS = ("source", "revision", "aliases", "dtype", "max_context", "chat_template", "chat_template_kwargs",
+                  "system_prompt", "stop", "trust_remote_code", "description")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(models_app, name="models")
+
+
+@models_app.callback()
+def _default(ctx: typer.Context) -> None:
+    if ctx.invoked_subcommand is None:
+        list_models(as_json=False)
+
+
+@models_app.command("list", help="Models in models.toml with their aliases, source and whether they are present.")
+def list_models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from pagedchat.registry import Registry
+
+    registry = Registry()
+    default = registry.defaults.get("model")
+    rows = []
+    for name in registry.names():
+        table = registry.models[name]
+        try:
+            entry = registry.resolve(name)
+            status = _status(entry.path, entry.source)
+        except Exception as e:  # one bad entry must not hide the others
+            status = f"error: {e}"
+        rows.append({"name": name, "default": name == default, "aliases": table.get("aliases") or [],
+                     "source": table.get("path") or table.get("source") or "", "status": status,
+                     "description": table.get("description", ""), "defined_in": registry.where(name)})
+    if as_json:
+        print(json.dumps({"models": rows, "config": _config_files(registry)}))
+        return
+    console = Console(highlight=False)
+    view = Table(box=None, padding=(0, 2), header_style="bold")
+    for column in ("", "name", "aliases", "source", "status", "description"):
+        view.add_column(column, overflow="fold")
+    for row in rows:
+        view.add_row("*" if row["default"] else "", Text(row["name"]), Text(", ".join(row["aliases"])), Text(row["source"]),
+                     Text(row["status"]), Text(row["description"]))
+    console.print(view)
+    for label, path, exists in _config_files(registry):
+        console.print(Text(f"{label}: {path}{'' if exists else ' (not present)'}", style="dim"))
+    console.print(Text("* default model · any local HF folder also works with -m PATH", style="dim"))
+
+
+@models_app.command("show", help="Every resolved setting of a model and where it came from.")
+def show_model(name: str = typer.Argument(..., help="models.toml name or alias, or a model folder."),
+               as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from pagedchat.engine import SamplingParams
+    from pagedchat.registry import SAMPLING_KEYS, Registry
+
+    registry = Registry()
+    entry = registry.resolve(name)
+    rows = [("model", entry.name, registry.where(entry.name) if entry.table else "command line (a folder)"),
+            ("path", str(entry.path), _status(entry.path, entry.source))]
+    for key in ENTRY_SETTINGS:
+        setting = entry.get(key)
+        if key == "source" or setting.value is None and key not in ("dtype", "max_context"):
+            continue
+        value, source = setting.value, _where(registry, entry, key, setting.source)
+        if key == "dtype" and value is None:
+            value, source = "auto", "built-in default (bf16 on CUDA, fp32 on CPU)"
+        if key == "max_context" and value is None:
+            value, source = _max_positions(entry.path), "the model's config.json"
+        rows.append((key, value, source))
+    resolved = entry.sampling_defaults()
+    defaults = SamplingParams()
+    for key in SAMPLING_KEYS:
+        if key in resolved:
+            s = resolved[key]
+            rows.append((f"sampling.{key}", s.value, _where(registry, entry, f"sampling.{key}", s.source)))
+        else:
+            rows.append((f"sampling.{key}", getattr(defaults, key), "built-in default"))
+    if as_json:
+        print(json.dumps({"name": entry.name, "settings": [{"key": k, "value": _jsonable(v), "from": src}
+                                                           for k, v, src in rows]}))
+        return
+    console = Console(highlight=False)
+    view = Table(box=None, padding=(0, 2), header_style="bold", title=f"model {entry.name}", title_justify="left")
+    view.add_column("setting", no_wrap=True)
+    view.add_column("value", overflow="fold", max_width=40)
+    view.add_column("from", overflow="fold")
+    for key, value, source in rows:
+        view.add_row(key, Text(_show(value)), Text(_short(source, registry)))
+    console.print(view)
+    for label, path, exists in _config_files(registry):
+        console.print(Text(f"{label}: {path}{'' if exists else ' (not present)'}", style="dim"))
+    console.print(Text("precedence: command-line flag > /set > session > model entry > [defaults] > "
+                       "generation_config.json > built-in", style="dim"))
+
+
+def _where(registry, entry, key: str, source: str) -> str:
+    """Turn a Setting.source into 'file:line [table]' when it came from a models.toml."""
+    if "[defaults]" in source:
+        return f"{registry.where('defaults', key)} [defaults]"
+    if f"[models.{entry.name}]" in source:
+        if key.startswith("sampling.") and key not in registry.origins.get(entry.name, {}):
+            key = "stop"  # a top-level `stop` of the model entry feeds sampling.stop
+        return f"{registry.where(entry.name, key)} [models.{entry.name}]"
+    if source == "generation_config.json":
+        return str(Path(entry.path) / "generation_config.json")
+    return source
+
+
+def _status(path: Path, source: str) -> str:
+    path, source = Path(path), str(source)
+    if path.is_dir():
+        return "ready" if (path / "config.json").is_file() else "folder without config.json"
+    if source.startswith("hf:") or (source.count("/") == 1 and not source.startswith(("pkg:", ".", "/", "~"))):
+        return "HF repo id (loaded from the local HF cache)"
+    return "missing"
+
+
+def _max_positions(path: Path) -> Optional[int]:
+    try:
+        return json.loads((Path(path) / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+
+
+def _short(source: str, registry) -> str:
+    """File paths of the two models.toml copies as short labels (their full paths are printed below)."""
+    for label, path, _ in _config_files(registry):
+        source = source.replace(path + ":", label.split()[0] + " models.toml:")
+    return source
+
+
+def _config_files(registry) -> list:
+    return [("bundled models.toml", str(registry.bundled_path), registry.bundled_path.is_file()),
+            ("user models.toml", str(registry.user_path), registry.user_path.is_file())]
+
+
+def _show(value) -> str:
+    if isinstance(value, str):
+        return repr(value) if value == "" or value != value.strip() or "\n" in value else value
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+
+
+def _jsonable(value):
+    return value if isinstance(value, (str, int, float, bool, list, dict)) or value is None else str(value)
