@@ -50,7 +50,7 @@ def server(model, tmp_path_factory):
         engine, entry = load_engine(ModelOptions(model=str(model[0]), device="cpu", kv_memory="2MiB",
                                                  block_size=BLOCK), show_progress=False)
     aengine = AsyncEngine(engine)
-    app = create_app(aengine, settings_for(entry, engine, KEY, NAME))
+    app = create_app(aengine, settings_for(entry, KEY, NAME))
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

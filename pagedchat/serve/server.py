@@ -41,7 +41,7 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def settings_for(entry, engine, api_key: str | None, served_model_name: str | None):
+def settings_for(entry, api_key: str | None, served_model_name: str | None):
     from pagedchat.serve.app import ServeSettings
 
     table = entry.table or {}
@@ -74,7 +74,7 @@ def run_server(model_opts, host: str, port: int, api_key: str | None, served_mod
     try:
         engine, entry = load_engine(model_opts)
         aengine = AsyncEngine(engine)
-        app = create_app(aengine, settings_for(entry, engine, api_key, served_model_name))
+        app = create_app(aengine, settings_for(entry, api_key, served_model_name))
         config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                                 timeout_graceful_shutdown=5, lifespan="on")
         server = _make_server(config, aengine)
