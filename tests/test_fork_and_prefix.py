@@ -133,3 +133,14 @@ def test_request_too_big_for_pool_fails_alone(model_dirs):
     assert out.error and "whole pool" in out.error
     engine.check_invariants()
     assert engine.pool.num_used == 0
+
+
+def test_simultaneous_requests_share_a_prefix_being_computed(model_dirs):
+    engine = make_engine(model_dirs, num_blocks=128)
+    system = list(range(3, 43))  # 40 shared tokens = 5 full blocks of 8
+    batch = [system + [50 + i, 60 + i, 70 + i] for i in range(6)]
+    outs = engine.generate(batch, GREEDY)
+    assert outs[0].prefix_hit_tokens == 0
+    assert all(o.prefix_hit_tokens == 40 for o in outs[1:]), [o.prefix_hit_tokens for o in outs]
+    alone = make_engine(model_dirs).generate(batch[3:4], GREEDY)[0]
+    assert outs[3].outputs[0].token_ids == alone.outputs[0].token_ids

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from pagedchat.engine.block_pool import BlockPool
+from pagedchat.engine.block_pool import BlockPool, chain_hash
 from pagedchat.engine.sequence import Sequence, SeqStatus
 
 
@@ -77,10 +77,14 @@ class Scheduler:
             batch.preempted.append(victim)
         if batch.preempted:
             return batch
+        pending = self._blocks_computed_by(batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
                 self._match_prefix(seq)
+            if pending and self._next_block_hash(seq) in pending:
+                self._release(seq)  # its next block is being computed right now: share it next step
+                break
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._make_room(seq, n, reserve=self.watermark if self.running else 0):
                 if not self.running and self.pool.num_used == self._held_by(seq):
@@ -98,6 +102,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.items.append((seq, n))
+            pending |= self._blocks_computed_by(ScheduledBatch(items=[(seq, n)]))
             budget -= n
         return batch
 
@@ -152,6 +157,26 @@ class Scheduler:
                 seq.block_table.append(block)
                 seq.block_hashes.append(h)
             seq.num_computed = len(seq.block_table) * bs
+
+    def _blocks_computed_by(self, batch: ScheduledBatch) -> set[int]:
+        """Chain hashes of the full blocks this batch completes (they are indexed only after the step)."""
+        if not self.pool.enable_prefix_cache:
+            return set()
+        bs, hashes = self.block_size, set()
+        for seq, n in batch.items:
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            for i in range(len(seq.block_hashes), (seq.num_computed + n) // bs):
+                parent = chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                hashes.add(parent)
+        return hashes
+
+    def _next_block_hash(self, seq: Sequence) -> int | None:
+        """Hash of the first full prompt block this sequence would have to compute itself."""
+        bs, i = self.block_size, len(seq.block_hashes)
+        if len(seq.block_table) != i or (i + 1) * bs > seq.num_tokens - 1:
+            return None
+        parent = seq.block_hashes[-1] if seq.block_hashes else None
+        return chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.block_size
