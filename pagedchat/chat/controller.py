@@ -114,6 +114,16 @@ class ChatController:
             self.sessions[as_name] = session
         return self.store.save(session)
 
+    def autosave(self) -> str | None:
+        """Save after a change that is not a turn (head moved, settings); the error line if it failed."""
+        if self.current is None or not (self.current.tree.nodes or self.store.exists(self.current.name)):
+            return None  # nothing worth a file yet
+        try:
+            self.store.save(self.current)
+        except SaveError as e:
+            return str(e)
+        return None
+
     def close_session(self, name: str) -> None:
         """Forget a resident session and release its pins (its file stays)."""
         session = self.sessions.pop(name, None)
@@ -162,7 +172,6 @@ class ChatController:
         had_messages = any(n.role != "system" for n in s.path())
         s.system = text or None
         s.head = None
-        s.last_fork = []
         what = "system prompt cleared" if not text else "system prompt set"
         if had_messages:
             return f"{what}; the next message starts a new branch from the top (the old one stays: /tree)"
@@ -171,7 +180,6 @@ class ChatController:
     def clear(self) -> None:
         """Start over from the top of the tree; nothing is deleted."""
         self.session.head = None
-        self.session.last_fork = []
 
     # -- moving around --------------------------------------------------------------------------------------
     def switch(self, node_id: int) -> Node:
@@ -347,7 +355,8 @@ class ChatController:
                 s.handles[reply.id] = variant.handle
             replies.append(reply)
         self._release_covered_pins(parent.id)
-        s.last_fork = [r.id for r in replies] if len(replies) > 1 else []
+        if len(replies) > 1:
+            s.last_fork = [r.id for r in replies]  # /pick refers to the newest /fork until the next one
         s.head = replies[0].id if replies else parent.id
         self.last_stats = stats
         result = TurnResult(user_node, replies, stats, interrupted, notes)

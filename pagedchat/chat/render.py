@@ -143,7 +143,7 @@ def local_time(iso: str) -> str:
 
 
 def sessions_view(infos, resident: dict, current: str | None) -> Table:
-    table = Table(box=None, padding=(0, 2), header_style="bold")
+    table = Table(box=None, padding=(0, 1), header_style="bold")
     table.add_column("")
     table.add_column("name", no_wrap=True)
     table.add_column("model", overflow="fold", min_width=12)

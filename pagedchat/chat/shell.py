@@ -126,6 +126,7 @@ class Command:
     summary: str
     run: Callable[["ChatShell", str], None]
     aliases: tuple[str, ...] = ()
+    saves: bool = False         # changes the session without a turn: autosave after it
 
 
 class ChatShell:
@@ -162,6 +163,9 @@ class ChatShell:
                 raise UserError(f"unknown command {name}{hint} (/help lists them; start a message with // "
                                 f"to send a literal slash)")
             cmd.run(self, args.strip())
+            error = self.ctl.autosave() if cmd.saves else None
+            if error:
+                self.ui.error(error)
             return
         if stripped.startswith("//"):
             text = text.replace("//", "/", 1)
@@ -387,7 +391,7 @@ _COMMANDS = [
                               "branch in bold, the head marked.", _tree),
     Command("/show", "/show", "Print the current branch as a transcript.", _show),
     Command("/switch", "/switch ID", "Move the head to node ID; the next message continues from there and "
-                                     "reuses the cached KV of the shared prefix.", _switch),
+                                     "reuses the cached KV of the shared prefix.", _switch, saves=True),
     Command("/regen", "/regen", "A new reply to the last message, as a sibling: the old reply stays in the "
                                 "tree.", _regen),
     Command("/edit", "/edit ID [NEW TEXT]", "Change an earlier user message: a sibling branch with the new "
@@ -396,15 +400,15 @@ _COMMANDS = [
     Command("/fork", "/fork N [MESSAGE]", "N variants generated in parallel as forks of one sequence (one "
                                           "prefill), side by side: of MESSAGE's reply, or new variants of the "
                                           "last reply. Then /pick K.", _fork),
-    Command("/pick", "/pick K", "Continue from variant K of the last /fork (the others stay in the tree).", _pick),
+    Command("/pick", "/pick K", "Continue from variant K of the last /fork (the others stay in the tree).", _pick, saves=True),
     Command("/system", "/system [TEXT|--clear]", "Show or set the system prompt; a new one starts a new "
-                                                 "branch from the top.", _system),
+                                                 "branch from the top.", _system, saves=True),
     Command("/set", "/set [KEY VALUE]", f"Show settings and their sources, or set one of: {', '.join(SET_KEYS)} "
-                                        f"(VALUE 'default' removes the override).", _set),
+                                        f"(VALUE 'default' removes the override).", _set, saves=True),
     Command("/stats", "/stats", "KV pool: blocks used/free/cached/shared, prefix-hit rate, pins, blocks per "
                                 "session.", _stats),
     Command("/clear", "/clear", "Clear the screen and start a fresh conversation in this session (nothing is "
-                                "deleted).", _clear),
+                                "deleted).", _clear, saves=True),
 ]
 
 COMMAND_NAMES = sorted({name for c in _COMMANDS for name in (c.name, *c.aliases)})
