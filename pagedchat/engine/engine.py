@@ -265,18 +265,18 @@ class Engine:
         return True
 
     def _fail(self, seq: Sequence) -> TokenEvent:
+        """One sequence that cannot fit even alone in the pool (the scheduler already freed it) fails alone:
+        its sibling variants keep going, and may finish before they grow as large. They must not be failed
+        here: they can be in this very step's batch, with blocks reserved."""
         request = seq.request
         message = (f"request needs more KV memory than the whole pool ({self.pool.num_blocks} blocks of "
                    f"{self.pool.block_size} tokens); raise --kv-memory")
         seq.finish_reason, seq.error = "error", message
         seq.status = SeqStatus.FINISHED
         request.error = request.error or message
-        request.forked = True
-        for other in request.sequences:
-            if not other.is_finished:
-                other.finish_reason, other.error = "error", message
-                self.scheduler.finish(other, keep=False)
-        request.finish_time = time.perf_counter()
+        request.forked = True  # failed before its prefill ended: its other variants will never exist
+        if request.finished:
+            request.finish_time = time.perf_counter()
         return TokenEvent(request.request_id, seq.index, [], "", "error", message)
 
     # -- outputs --------------------------------------------------------------------------------------------

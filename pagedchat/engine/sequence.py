@@ -82,4 +82,4 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.error is not None or (self.forked and all(s.is_finished for s in self.sequences))
+        return self.forked and all(s.is_finished for s in self.sequences)
