@@ -110,6 +110,17 @@ def machine_description() -> str:
     return f"{os.cpu_count()}-core CPU ({cpu}), no GPU, torch {torch_version}"
 
 
+def quiet_transformers() -> None:
+    """No progress bars or advisory logs from transformers in the middle of a benchmark's output."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
+
+
 # -- output --------------------------------------------------------------------------------------------------
 def print_json(data: dict) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
@@ -132,7 +143,8 @@ def print_table(title: str, columns: list[str], rows: list[list], caption: str |
         table.add_column(column, justify="left" if i == 0 else "right")
     for row in rows:
         table.add_row(*[fmt(v) for v in row])
-    Console().print(table)
+    # Piped output (docs, logs) gets room for every column; a terminal keeps its own width.
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def save_figure(fig, path) -> None:

@@ -55,6 +55,123 @@ def memory(
     print_json(result) if as_json else print_memory_report(result)
 
 
+MODEL = typer.Option(None, "-m", "--model", help="models.toml name or local HF folder.")
+RANDOM = typer.Option(None, "--random", help="Build a random model on the fly instead: llama, mistral, qwen2 "
+                                             "or qwen3.")
+DEVICE = typer.Option("auto", "--device", help="cpu, cuda or auto.")
+DTYPE = typer.Option("auto", "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16.")
+THREADS = typer.Option(None, "--threads", help="torch CPU threads per system (default 1 on CPU: a shared "
+                                               "machine oversubscribed by several runs times noise; 0 = torch's "
+                                               "default).")
+SEED = typer.Option(0, "--seed", help="Prompt seed.")
+
+
+@bench.command("throughput", help="pagedchat vs transformers generate (padded batch) and transformers' "
+                                  "continuous batching: same model, prompts and machine, one run.")
+def throughput(
+    model: Optional[str] = MODEL,
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = typer.Option("auto", "--random-size", help="tiny, small, 1b, or auto (small on CPU, "
+                                                                   "1b on CUDA)."),
+    requests: int = typer.Option(16, "--requests", help="Prompts (mixed lengths), all submitted at once."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="New tokens per prompt (EOS ignored)."),
+    mean_prompt: float = typer.Option(128, "--mean-prompt", help="Mean prompt tokens (lognormal)."),
+    max_prompt: int = typer.Option(512, "--max-prompt", help="Longest prompt."),
+    block_size: int = typer.Option(16, "--block-size", help="KV block size, for both paged systems."),
+    max_batched_tokens: int = typer.Option(2048, "--max-batched-tokens", help="Per-step token budget, for "
+                                                                              "both continuous batchers."),
+    systems: str = typer.Option("pagedchat,hf-generate,hf-cb", "--systems", help="Comma-separated subset."),
+    repeats: int = typer.Option(1, "--repeats", help="Runs per system, taking turns; the median counts."),
+    profile: bool = typer.Option(False, "--profile", help="Also profile pagedchat's steps (where time goes)."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    threads: Optional[int] = THREADS,
+    seed: int = SEED,
+    as_json: bool = JSON,
+    plot: Optional[str] = PLOT,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat.bench.common import print_json
+    from pagedchat.bench.models import resolve_device, resolve_model
+    from pagedchat.bench.throughput import plot_throughput, print_throughput_report, run_throughput_bench
+
+    device = resolve_device(device)
+    plot = _plot_path(plot)
+    size = random_size if random_size != "auto" else ("1b" if device.startswith("cuda") else "small")
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, random_arch, size, Path(tmp), max(4096, max_prompt + max_tokens + 64),
+                                   dtype="bfloat16" if size == "1b" else "float32")
+        result = run_throughput_bench(path, name, requests=requests, max_tokens=max_tokens, mean_prompt=mean_prompt,
+                                      max_prompt=max_prompt, block_size=block_size,
+                                      max_batched_tokens=max_batched_tokens, device=device, dtype=dtype,
+                                      systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
+                                      repeats=repeats, seed=seed, threads=_threads(threads, device),
+                                      profile=profile)
+    if plot:
+        plot_throughput(result, plot)
+        result["plot"] = plot
+    print_json(result) if as_json else print_throughput_report(result)
+
+
+@bench.command("chat", help="Multi-turn TTFT as the history grows (pinned history vs transformers re-prefill) "
+                            "and the cost of forking a conversation into N variants.")
+def chat(
+    model: Optional[str] = MODEL,
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = typer.Option("tiny", "--random-size", help="tiny, small or 1b."),
+    history: str = typer.Option("1024,2048,4096,8192", "--history", help="History lengths in tokens."),
+    message_tokens: int = typer.Option(64, "--message-tokens", help="Tokens of each new message."),
+    reply_tokens: int = typer.Option(16, "--reply-tokens", help="Tokens of the last reply in the history."),
+    variants: int = typer.Option(8, "--variants", help="N for the fork measurement."),
+    repeats: int = typer.Option(3, "--repeats", help="Measurements per point (median; a new message each)."),
+    block_size: int = typer.Option(16, "--block-size"),
+    baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also time transformers."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    threads: Optional[int] = THREADS,
+    seed: int = SEED,
+    as_json: bool = JSON,
+    plot: Optional[str] = PLOT,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat.bench.chat import plot_chat, print_chat_report, run_chat_bench
+    from pagedchat.bench.common import print_json
+    from pagedchat.bench.models import resolve_device, resolve_model
+
+    try:
+        histories = tuple(sorted({int(h) for h in history.split(",") if h.strip()}))
+    except ValueError:
+        raise UserError(f"--history wants comma-separated token counts, got {history!r}") from None
+    if not histories or min(histories) < 1:
+        raise UserError("--history needs at least one positive length")
+    device = resolve_device(device)
+    plot = _plot_path(plot)
+    needed = max(histories) + message_tokens + reply_tokens + 64
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, random_arch, random_size, Path(tmp), max(4096, -(-needed // 1024) * 1024),
+                                   dtype="bfloat16" if random_size == "1b" else "float32")
+        result = run_chat_bench(path, name, histories=histories, message_tokens=message_tokens,
+                                reply_tokens=reply_tokens, variants=variants, repeats=repeats,
+                                block_size=block_size, device=device, dtype=dtype, seed=seed,
+                                threads=_threads(threads, device), baseline=baseline)
+    if plot:
+        plot_chat(result, plot)
+        result["plot"] = plot
+    print_json(result) if as_json else print_chat_report(result)
+
+
+def _threads(threads: Optional[int], device: str) -> Optional[int]:
+    if threads is None:
+        return 1 if device == "cpu" else None
+    if threads < 0:
+        raise UserError("--threads must be >= 0")
+    return threads or None
+
+
 @bench.command("kernels", help="The Triton paged-attention kernels against copy bandwidth and SDPA (CUDA).")
 def kernels(as_json: bool = JSON, plot: Optional[str] = PLOT) -> None:
     import inspect
