@@ -1,13 +1,19 @@
-"""Random interleavings of add, fork, step, abort, finish, pin and release over the real engine
-(model-free runner). After every step: refcounts equal table references, free + used = total, no block both
-free and referenced, no write into a shared block, every computed token's KV in the right slot; and when
-everything is aborted and released, the pool is all free again."""
+"""Random interleavings of add, fork, step, abort, finish, preempt, pin, session switch, evict and release
+over the real engine (model-free runner). After every rule: refcounts equal table references, free + used =
+total, no block both free and referenced, no write into a shared block (the runner asserts it), every
+computed token's KV in the right slot, waiting sequences hold no blocks; `finish` drains the engine within a
+bounded number of steps (a full pool never hangs); and when everything is aborted and released, the pool is
+all free again.
+
+CI runs EXAMPLES x STEPS (100 x 100) programs and asserts that they took at least 10,000 engine steps; a
+nightly-style run raises PAGEDCHAT_FUZZ_EXAMPLES / PAGEDCHAT_FUZZ_STEPS."""
 
 import os
+from collections import Counter
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from fake_runner import fake_engine
 from pagedchat.engine import SamplingParams
@@ -16,9 +22,14 @@ from pagedchat.errors import RequestError
 
 EXAMPLES = int(os.environ.get("PAGEDCHAT_FUZZ_EXAMPLES", "100"))
 STEPS = int(os.environ.get("PAGEDCHAT_FUZZ_STEPS", "100"))
+MIN_ENGINE_STEPS = 10_000          # what the CI run must reach with the defaults
+DRAIN_LIMIT = 2_000                # `finish` must empty the engine within this many steps
 
 # A small alphabet and a few shared stems make prefix-cache hits and shared blocks common.
 STEMS = [[2, 3, 4, 5, 6, 7, 8, 9], [2, 3, 4, 5, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+# Totals over the whole run: engine steps, and how often the interesting paths were taken.
+COUNTS: Counter = Counter()
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -26,6 +37,15 @@ class EngineMachine(RuleBasedStateMachine):
         super().__init__()
         self.engine, self.runner = fake_engine(num_blocks=16, block_size=8, max_num_batched_tokens=16)
         self.request_ids: list[str] = []
+        self.heads: list = []        # every handle ever pinned: a chat session keeps them even once evicted
+        scheduler = self.engine.scheduler
+        real_evict = scheduler.evict_pin
+
+        def evict_pin(seq):
+            COUNTS["pins dropped"] += seq.seq_id in scheduler.pins
+            real_evict(seq)
+
+        scheduler.evict_pin = evict_pin
 
     def pinned(self):
         return list(self.engine.scheduler.pins.values())
@@ -33,26 +53,48 @@ class EngineMachine(RuleBasedStateMachine):
     def running(self):
         return list(self.engine.scheduler.running)
 
+    def _add(self, ids, params, keep=False, parent=None):
+        try:
+            self.request_ids.append(self.engine.add_request(ids, params, keep=keep, parent=parent))
+        except RequestError:
+            COUNTS["refused at add"] += 1
+
+    def _step(self):
+        for event in self.engine.step():
+            if event.finish_reason == "error":
+                COUNTS["failed alone"] += 1
+        COUNTS["engine steps"] += 1
+        for seq in self.pinned():
+            if seq not in self.heads:
+                self.heads.append(seq)
+
     @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(2, 23), max_size=12), n=st.integers(1, 3),
           keep=st.booleans(), max_tokens=st.integers(1, 12), temperature=st.sampled_from([0.0, 1.0]),
           seed=st.integers(0, 3))
     def add(self, stem, tail, n, keep, max_tokens, temperature, seed):
-        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, n=n)
-        try:
-            self.request_ids.append(self.engine.add_request(stem + tail, params, keep=keep))
-        except RequestError:
-            pass
+        self._add(stem + tail, SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens, n=n), keep)
+
+    @rule(length=st.integers(40, 127), max_tokens=st.integers(1, 60), n=st.integers(1, 2))
+    def add_large(self, length, max_tokens, n):
+        """Pressure: most of the pool (16 x 8 = 128 tokens) or more once generated. Pins get evicted, running
+        sequences preempted, and a reply that outgrows the whole pool fails alone."""
+        ids = [2 + (i * 7) % 22 for i in range(length)]
+        self._add(ids, SamplingParams(temperature=1.0, seed=length, max_tokens=max_tokens, n=n, ignore_eos=True))
 
     @precondition(lambda self: self.engine.scheduler.pins)
     @rule(data=st.data(), suffix=st.lists(st.integers(2, 23), min_size=1, max_size=6))
     def follow_up(self, data, suffix):
         parent = data.draw(st.sampled_from(self.pinned()))
-        params = SamplingParams(temperature=0, max_tokens=4)
-        try:
-            self.request_ids.append(self.engine.add_request(parent.token_ids + suffix, params, keep=True,
-                                                            parent=parent))
-        except RequestError:
-            pass
+        self._add(parent.token_ids + suffix, SamplingParams(temperature=0, max_tokens=4), True, parent)
+
+    @precondition(lambda self: self.heads)
+    @rule(data=st.data(), suffix=st.lists(st.integers(2, 23), min_size=1, max_size=6))
+    def switch_session(self, data, suffix):
+        """Continue an older branch head, pinned or already evicted (then it re-prefills, from the cache
+        where its blocks survived)."""
+        head = data.draw(st.sampled_from(self.heads))
+        COUNTS["switch to evicted head"] += head.status != SeqStatus.PINNED
+        self._add(head.token_ids + suffix, SamplingParams(temperature=0, max_tokens=3), True, head)
 
     @precondition(lambda self: self.engine.scheduler.running or self.engine.scheduler.pins)
     @rule(data=st.data(), keep=st.booleans())
@@ -64,7 +106,28 @@ class EngineMachine(RuleBasedStateMachine):
     @rule(count=st.integers(1, 4))
     def step(self, count):
         for _ in range(count):
-            self.engine.step()
+            self._step()
+            self.pool_is_consistent()
+
+    @precondition(lambda self: self.engine.has_unfinished())
+    @rule()
+    def finish(self):
+        """Run everything to the end: bounded, whatever the pool holds."""
+        steps = 0
+        while self.engine.has_unfinished():
+            self._step()
+            self.pool_is_consistent()
+            steps += 1
+            assert steps <= DRAIN_LIMIT, f"the engine made no progress in {DRAIN_LIMIT} steps: {self.engine.stats()}"
+        COUNTS["finish"] += 1
+
+    @precondition(lambda self: self.engine.scheduler.running)
+    @rule(data=st.data())
+    def preempt(self, data):
+        """Preempt any running sequence at any point: mid-prefill, just forked, sharing blocks."""
+        seq = data.draw(st.sampled_from(self.running()))
+        self.engine.scheduler._preempt(seq)
+        COUNTS["preempted"] += 1
 
     @precondition(lambda self: self.request_ids)
     @rule(data=st.data())
@@ -76,6 +139,14 @@ class EngineMachine(RuleBasedStateMachine):
     def release(self, data):
         self.engine.release(data.draw(st.sampled_from(self.pinned())))
 
+    @precondition(lambda self: self.engine.scheduler.pins)
+    @rule(blocks=st.integers(1, 16))
+    def evict(self, blocks):
+        """Memory pressure from outside: drop least recently used pins until `blocks` are free."""
+        scheduler = self.engine.scheduler
+        while self.engine.pool.num_free < blocks and scheduler.pins:
+            scheduler.evict_pin(next(iter(scheduler.pins.values())))
+
     @invariant()
     def pool_is_consistent(self):
         engine = self.engine
@@ -83,24 +154,39 @@ class EngineMachine(RuleBasedStateMachine):
         pool = engine.pool
         assert pool.num_free + pool.num_used == pool.num_blocks
         for seq in self.running() + self.pinned():
+            assert all(b not in pool.free_queue for b in seq.block_table), f"{seq} holds a free block"
             self.runner.check_sequence(seq)
         for seq in engine.scheduler.waiting:
-            if not seq.block_table:
-                assert seq.num_computed == 0
+            assert not seq.block_table and seq.num_computed == 0, f"waiting {seq} sits on blocks"
 
     def teardown(self):
         """After the program: abort and release everything; every block must come back."""
+        engine = self.engine
+        COUNTS["cow copies"] += engine.pool.cow_copies
+        COUNTS["engine preemptions"] += engine.scheduler.num_preemptions
+        COUNTS["prefix hit tokens"] += engine.pool.prefix_hit_tokens
         for rid in self.request_ids:
-            self.engine.abort(rid)
+            engine.abort(rid)
         for pin in self.pinned():
-            self.engine.release(pin)
-        assert not self.engine.scheduler.running and not self.engine.scheduler.pins
-        for seq in self.engine.scheduler.waiting:
+            engine.release(pin)
+        assert not engine.scheduler.running and not engine.scheduler.pins
+        for seq in engine.scheduler.waiting:
             assert seq.status != SeqStatus.RUNNING
-        self.engine.check_invariants()
-        assert self.engine.pool.num_used == 0, "blocks leaked after every request was aborted"
+        engine.check_invariants()
+        assert engine.pool.num_used == 0, "blocks leaked after every request was aborted"
 
 
-EngineMachine.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
-                                           suppress_health_check=list(HealthCheck))
-TestEngineStateMachine = EngineMachine.TestCase
+SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
+                    suppress_health_check=list(HealthCheck))
+
+
+def test_engine_state_machine():
+    COUNTS.clear()
+    run_state_machine_as_test(EngineMachine, settings=SETTINGS)
+    print(f"\nstate machine: {EXAMPLES} programs x up to {STEPS} rules: {dict(COUNTS)}")
+    if EXAMPLES * STEPS >= 100 * 100:
+        assert COUNTS["engine steps"] >= MIN_ENGINE_STEPS, COUNTS
+    # the run really went through the paths it is meant to exercise
+    for path in ("engine preemptions", "preempted", "pins dropped", "switch to evicted head", "cow copies",
+                 "failed alone", "finish", "prefix hit tokens"):
+        assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
