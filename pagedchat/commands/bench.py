@@ -52,6 +52,7 @@ def memory(
                          variants=variants, variant_tail=variant_tail, max_batched_tokens=max_batched_tokens,
                          max_seqs=max_seqs, seed=seed)
     result = run_memory_bench(params, sweep=sweep, plot=_plot_path(plot))
+    _stamp(result)
     print_json(result) if as_json else print_memory_report(result)
 
 
@@ -112,6 +113,7 @@ def throughput(
     if plot:
         plot_throughput(result, plot)
         result["plot"] = plot
+    _stamp(result)
     print_json(result) if as_json else print_throughput_report(result)
 
 
@@ -161,7 +163,21 @@ def chat(
     if plot:
         plot_chat(result, plot)
         result["plot"] = plot
+    _stamp(result)
     print_json(result) if as_json else print_chat_report(result)
+
+
+def _stamp(result: dict) -> None:
+    """Provenance for every number: the exact command line, the date and the machine."""
+    import datetime
+    import shlex
+    import sys
+
+    from pagedchat.bench.common import machine_description
+
+    result["command"] = "pagedchat " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result["date"] = datetime.date.today().isoformat()
+    result.setdefault("machine", machine_description())
 
 
 def _threads(threads: Optional[int], device: str) -> Optional[int]:
