@@ -41,6 +41,15 @@ def _register_commands() -> None:
 _register_commands()
 
 
+def _invoke() -> None:
+    """Parse and run the command line. Not through `app(standalone_mode=False)`: typer's wrapper then
+    returns a command's `raise typer.Exit(code)` as a value (every exit code was lost: failures exited 0) and
+    turns Ctrl-C into a silent Exit(130). Invoked directly, both reach the handlers in main()."""
+    command = typer.main.get_command(app)
+    with command.make_context("pagedchat", sys.argv[1:]) as ctx:
+        command.invoke(ctx)
+
+
 def main() -> None:
     """Entry point: user errors become one line on stderr and a non-zero exit; --debug shows tracebacks."""
     from pagedchat.errors import UserError
@@ -49,7 +58,7 @@ def main() -> None:
     if "--debug" in sys.argv:
         sys.argv.remove("--debug")
     try:
-        app(standalone_mode=False)
+        _invoke()
     except UserError as e:
         if debug:
             raise
@@ -63,6 +72,15 @@ def main() -> None:
     except (typer.Exit, SystemExit) as e:
         code = getattr(e, "exit_code", getattr(e, "code", 0))
         sys.exit(code or 0)
+    except EOFError:  # end of input where a command asked for some: like Ctrl-C
+        print("pagedchat: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:  # the reader went away (`pagedchat run ... | head -1`): nothing left to say
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        sys.exit(1)
     except Exception as e:
         # Usage errors come from click (or the copy typer vendors): recognise them by their class names.
         names = {c.__name__ for c in type(e).__mro__}
