@@ -24,6 +24,7 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        self._check_types()
         self.stop = [s for s in self.stop if s]
         checks = [
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
@@ -38,9 +39,31 @@ class SamplingParams:
             if not ok:
                 raise UserError(message)
 
+    def _check_types(self) -> None:
+        """Values from models.toml, a --file line or a session file arrive untyped: say which one is wrong
+        instead of failing later inside a comparison."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            if not _is_number(getattr(self, name), float):
+                raise UserError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name in ("top_k", "max_tokens", "n"):
+            if not _is_number(getattr(self, name), int):
+                raise UserError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.seed is not None and not _is_number(self.seed, int):
+            raise UserError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
+            raise UserError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_number(t, int) for t in self.stop_token_ids):
+            raise UserError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
     def with_(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+
+def _is_number(value, kind: type) -> bool:
+    """An int (or, for kind=float, an int or a float); bools are not numbers here."""
+    allowed = (int, float) if kind is float else (int,)
+    return isinstance(value, allowed) and not isinstance(value, bool)
