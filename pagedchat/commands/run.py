@@ -61,7 +61,7 @@ def run(
     for i, job in enumerate(jobs):
         overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
         params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
-        params = params.with_(n=int(job.get("n", num_variants)))
+        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants)
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
@@ -93,19 +93,33 @@ def _read_batch(path: Path) -> list[dict]:
             raise UserError(f"{path}:{number}: not valid JSON ({e.msg})") from None
         if not isinstance(job, dict) or not isinstance(job.get("prompt"), str):
             raise UserError(f"{path}:{number}: each line must be an object with a string \"prompt\"")
+        _check_job(path, number, job)
         jobs.append(job)
     if not jobs:
         raise UserError(f"{path} holds no prompts")
     return jobs
 
 
+def _check_job(path: Path, number: int, job: dict) -> None:
+    """A line's own settings, checked one by one before the model loads, so the error names the line."""
+    from pagedchat.engine import SamplingParams
+
+    keys = [*common.SamplingOptions.__dataclass_fields__, "n"]
+    try:
+        SamplingParams(**{k: job[k] for k in keys if job.get(k) is not None})
+    except UserError as e:
+        raise UserError(f"{path}:{number}: {e}") from None
+    if job.get("system") is not None and not isinstance(job["system"], str):
+        raise UserError(f"{path}:{number}: \"system\" must be a string")
+
+
 def _generate(engine, model_name: str, requests: list, as_json: bool, batch: bool) -> int:
     start = time.perf_counter()
-    ids = [engine.add_request(p, params) for p, params in requests]
+    ids, refused = _add_all(engine, requests, batch)
     stream = not as_json and not batch and requests[0][1].n == 1
     first_token_at = None
     try:
-        while any(not engine.requests[r].finished for r in ids):
+        while any(not engine.requests[r].finished for r in ids if r is not None):
             for event in engine.step():
                 first_token_at = first_token_at or time.perf_counter()
                 if stream and event.text:
@@ -113,20 +127,40 @@ def _generate(engine, model_name: str, requests: list, as_json: bool, batch: boo
                     sys.stdout.flush()
     except KeyboardInterrupt:
         for r in ids:
-            engine.abort(r)
+            if r is not None:
+                engine.abort(r)
         raise
     total = time.perf_counter() - start
-    outputs = [engine.pop_output(r) for r in ids]
+    outputs = [engine.pop_output(r) if r is not None else refused[i] for i, r in enumerate(ids)]
     if as_json:
         print(json.dumps(_json_report(engine, model_name, outputs, batch, start, first_token_at, total)))
     elif stream:
         sys.stdout.write("\n")
     else:
         _print_plain(outputs, batch)
-    errors = [o.error for o in outputs if o.error]
+    errors = [f"prompt {i + 1}: {o.error}" if batch else o.error for i, o in enumerate(outputs) if o.error]
     for message in dict.fromkeys(errors):
         print(f"pagedchat: error: {message}", file=sys.stderr)
     return 1 if errors else 0
+
+
+def _add_all(engine, requests: list, batch: bool) -> tuple[list, dict]:
+    """Queue every prompt. In a batch, a prompt too long for the context or the whole pool fails alone (an
+    error output in its place) and the others still run; a single prompt's error is the command's error."""
+    from pagedchat.engine import CompletionOutput, RequestOutput
+    from pagedchat.errors import RequestError
+
+    ids, refused = [], {}
+    for i, (prompt_ids, params) in enumerate(requests):
+        try:
+            ids.append(engine.add_request(prompt_ids, params))
+        except RequestError as e:
+            if not batch:
+                raise
+            ids.append(None)
+            outputs = [CompletionOutput(k, [], "", "error", None, str(e)) for k in range(params.n)]
+            refused[i] = RequestOutput(f"refused-{i}", list(prompt_ids), outputs, True, 0, None, None, str(e))
+    return ids, refused
 
 
 def _print_plain(outputs, batch: bool) -> None:
