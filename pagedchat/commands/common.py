@@ -60,7 +60,7 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
 
     entry = Registry().resolve(opts.model)
     dtype = opts.dtype or entry.get("dtype", "auto").value
-    max_context = opts.max_context or entry.get("max_context").value
+    max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                           kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust)

@@ -59,6 +59,8 @@ class EngineConfig:
         self.kv_memory = parse_size(self.kv_memory)
         if not 8 <= self.block_size <= 128 or self.block_size & (self.block_size - 1):
             raise UserError(f"--block-size must be a power of two from 8 to 128, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise UserError(f"--max-context must be a positive number of tokens, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise UserError("max_num_batched_tokens and max_num_seqs must be positive")
         if not 0 < self.kv_fraction <= 1:
