@@ -33,6 +33,8 @@ def data_dir() -> Path:
 
 def make_private_dir(path: Path) -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)  # it existed already, readable by others (an older install, a manual mkdir)
     return path
 
 
