@@ -322,6 +322,8 @@ class ChatController:
                 engine.abort(rid)  # frees its blocks at once
         out = engine.pop_output(rid)
         if out.error and not interrupted:
+            for variant in out.outputs:  # a variant that did finish is pinned: nothing will ever reach it
+                engine.release(variant.handle)
             raise UserError(out.error)
         stats = self._stats(prompt, out, capped, params.n)
         return out, interrupted, stats
