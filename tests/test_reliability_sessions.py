@@ -398,3 +398,35 @@ def test_server_binds_loopback_unless_told_otherwise():
         assert sock.getsockname()[0] == "127.0.0.1"
     finally:
         sock.close()
+
+
+def test_fork_whose_variant_outgrows_the_pool_fails_alone_and_leaves_no_stray_pin(model, xdg):
+    engine, entry = load_engine(ModelOptions(str(model), device="cpu", kv_memory="48KiB"), show_progress=False)
+    assert engine.pool.num_blocks == 6                                    # 96 tokens in all
+    ctl = ChatController(engine, entry, SessionStore(), SamplingOptions(temperature=0.0, max_tokens=200))
+    ctl.new_session("s")
+    real_run = engine.runner.run
+
+    def variant_3_stops_late(batch):
+        """Variant 3 ends after 30 tokens, once its siblings were preempted; the others never end."""
+        logits, samplers = real_run(batch)
+        if logits is not None:
+            logits = logits.clone()
+            for row, seq in enumerate(samplers):
+                stop = seq.index == 2 and seq.num_output_tokens >= 30
+                for eos in engine.eos_token_ids:
+                    logits[row, eos] = 1e4 if stop else -1e4
+        return logits, samplers
+
+    engine.runner.run = variant_3_stops_late
+    shell, screen = shell_for(ctl)
+    shell.handle("/fork 3 " + "hello there " * 5)
+    text = screen.getvalue()
+    assert "more KV memory than the whole pool" in text and "Traceback" not in text, text
+    assert len(ctl.session.tree) == 0                                     # nothing half-recorded
+    pool_is_clean(engine, [ctl.session])
+    assert engine.pool.num_used == 0 and not engine.scheduler.pins       # the variant that ended is not pinned
+    engine.runner.run = real_run
+    ctl.cli.max_tokens = 4
+    shell.handle("a short one")
+    assert len(ctl.session.tree) == 2
