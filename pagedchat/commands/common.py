@@ -114,8 +114,12 @@ def render_chat(engine, messages: list[dict], template_kwargs: dict | None = Non
     if not getattr(tok, "chat_template", None):
         raise UserError(f"model {engine.loaded.path} has no chat template; use --raw or set chat_template "
                         f"in models.toml")
-    ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                  **(template_kwargs or {}))
+    try:
+        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                      **(template_kwargs or {}))
+    except Exception as e:  # jinja errors: a broken template, or one that refuses these messages
+        raise UserError(f"the chat template of {engine.loaded.path} failed: {str(e).splitlines()[0]} "
+                        f"(fix it, or use --raw)") from None
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
