@@ -181,6 +181,22 @@ def test_unsupported_architecture(cli, model, tmp_path, arch, model_type):
     assert_one_line(code, err, f"unsupported architecture {arch!r}", "LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
+@pytest.mark.parametrize("template,message", [
+    ("{% for m in messages %}{{ m.content ", "unexpected end of template"),
+    ('{{ raise_exception("roles must alternate") }}', "roles must alternate"),
+    ("{{ messages[5].content }}", "no element 5"),
+])
+@pytest.mark.parametrize("session", [False, True])
+def test_broken_chat_template(cli, model, tmp_path, template, message, session):
+    folder = tmp_path / "model"
+    shutil.copytree(model, folder)
+    (folder / "chat_template.jinja").write_text(template)
+    code, _, err = cli("run", "-m", str(folder), *(["--session", "t"] if session else []), "--max-tokens", "2", "hi")
+    assert_one_line(code, err, "chat template", message)
+    code, out, err = cli("run", "-m", str(folder), "--raw", "--max-tokens", "2", "hi")   # --raw still works
+    assert code == 0, err
+
+
 def test_unknown_model_type(cli, model, tmp_path):
     folder = tmp_path / "model"
     shutil.copytree(model, folder)
