@@ -415,7 +415,8 @@ def plot_memory(paged: SimResult, contiguous: ContiguousResult, p: TraceParams, 
                          label=f"paged: shared blocks ({p.shared_prefix}-token system prompt)")
     top.axhline(p.pool_tokens / k, color="grey", lw=0.8, ls="--", label="pool capacity")
     top.set_ylabel("KV memory (thousand token slots)")
-    top.legend(fontsize=7, loc="center right", framealpha=0.9)
+    top.set_ylim(0, max(used + unshared + [p.pool_tokens / k]) * 1.75)   # headroom for the legend
+    top.legend(fontsize=7, loc="upper right", ncol=2, framealpha=0.9)
     system = f"{p.shared_prefix} shared + " if p.shared_prefix else ""
     top.set_title(f"{p.requests} requests, max-len {p.max_len}, prompt {system}~{p.mean_prompt:g} + output "
                   f"~{p.mean_output:g} tokens, pool {p.pool_tokens} tokens", fontsize=9)

@@ -222,7 +222,8 @@ def chat_section(res: dict[str, dict], key: str, title: str, picture: str | None
     parts = [f"### {title}", "", command_block(c), "",
              f"{provenance(c)}. Each turn sends a new {c['message_tokens']}-token message after a pinned history "
              f"(median of {c['repeats']}; every repetition a different message, so only the history can be "
-             "reused). \"compute ratio\" is the FLOP ratio of that prefill to turn 1 for this model: what a "
+             "reused; \"vs turn 1\" divides by turn-1 TTFTs measured alternately with those turns, so load drift on "
+             "the shared machine cancels). \"compute ratio\" is the FLOP ratio of that prefill to turn 1 for this model: what a "
              "compute-bound implementation would show.", "",
              table(["history", "pagedchat TTFT ms", "vs turn 1", "compute ratio", "KV reused (tokens)",
                     "transformers re-prefill ms", "pagedchat speedup"], rows), "",

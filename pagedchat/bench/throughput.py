@@ -339,11 +339,12 @@ def plot_throughput(r: dict, path: str) -> None:
     from pagedchat.bench.common import save_figure
 
     names = list(r["systems"])
-    labels = [LABELS[n].replace("transformers ", "transformers\n") for n in names]
+    short = {"pagedchat": "pagedchat", "hf-generate": "HF generate\n(padded)", "hf-cb": "HF continuous\nbatching"}
+    labels = [short[n] for n in names]
     colors = ["tab:blue" if n == "pagedchat" else "tab:red" if n == "hf-generate" else "tab:orange" for n in names]
     panels = [("output tokens/s", "output_tok_per_s", 1), ("TTFT p50 (ms)", "ttft_p50_s", 1000),
               ("peak memory above weights (MiB)", "peak_memory_mib", 1)]
-    fig, axes = plt.subplots(1, 3, figsize=(10, 3.4))
+    fig, axes = plt.subplots(1, 3, figsize=(10.5, 3.4))
     for ax, (title, key, scale) in zip(axes, panels):
         ax.bar(range(len(names)), [r["systems"][n][key] * scale for n in names], color=colors)
         ax.set_xticks(range(len(names)), labels, fontsize=7)

@@ -127,7 +127,7 @@ def chat(
     message_tokens: int = typer.Option(64, "--message-tokens", help="Tokens of each new message."),
     reply_tokens: int = typer.Option(16, "--reply-tokens", help="Tokens of the last reply in the history."),
     variants: int = typer.Option(8, "--variants", help="N for the fork measurement."),
-    repeats: int = typer.Option(3, "--repeats", help="Measurements per point (median; a new message each)."),
+    repeats: int = typer.Option(5, "--repeats", help="Measurements per point (median; a new message each)."),
     block_size: int = typer.Option(16, "--block-size"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also time transformers."),
     device: str = DEVICE,
