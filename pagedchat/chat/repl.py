@@ -87,7 +87,8 @@ def _completer(shell: ChatShell):
             if " " not in text:
                 for name in COMMAND_NAMES:
                     if name.startswith(text.lower()):
-                        yield Completion(name, -len(text))
+                        takes_args = " " in shell.commands[name].usage
+                        yield Completion(name + (" " if takes_args else ""), -len(text), display=name)
                 return
             command, _, arg = text.partition(" ")
             if " " in arg:
@@ -115,11 +116,12 @@ def _completer(shell: ChatShell):
 
 
 def _key_bindings():
+    from prompt_toolkit.filters import is_searching
     from prompt_toolkit.key_binding import KeyBindings
 
     kb = KeyBindings()
 
-    @kb.add("enter")
+    @kb.add("enter", filter=~is_searching)  # while Ctrl-R searching, Enter keeps its own meaning
     def _enter(event):
         buffer = event.current_buffer
         if open_block(buffer.text):
@@ -127,7 +129,7 @@ def _key_bindings():
         else:
             buffer.validate_and_handle()
 
-    @kb.add("escape", "enter")  # Esc-Enter; terminals send Alt-Enter as the same two keys
+    @kb.add("escape", "enter", filter=~is_searching)  # Esc-Enter; terminals send Alt-Enter as the same two keys
     def _newline(event):
         event.current_buffer.insert_text("\n")
 
