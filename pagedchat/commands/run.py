@@ -51,10 +51,10 @@ def run(
     if session is not None or continue_last:
         from pagedchat.chat.oneshot import run_in_session
 
-        text = prompt if prompt is not None else _read_stdin()
+        text = _prompt_text(prompt)
         code = run_in_session(model_opts, sampling, text, session, continue_last, system, num_variants, as_json)
         raise typer.Exit(code)
-    jobs = _read_batch(file) if file is not None else [{"prompt": prompt if prompt is not None else _read_stdin()}]
+    jobs = _read_batch(file) if file is not None else [{"prompt": _prompt_text(prompt)}]
     engine, entry = common.load_engine(model_opts, show_progress=not as_json)
     default_system = system if system is not None else entry.get("system_prompt").value
     requests = []
@@ -69,10 +69,25 @@ def run(
     raise typer.Exit(code)
 
 
+def _prompt_text(prompt: str | None) -> str:
+    """The prompt argument, else stdin. Bytes that are not UTF-8 arrive as lone surrogates and would fail
+    later inside the tokenizer: refuse them here, saying where they came from."""
+    text = prompt if prompt is not None else _read_stdin()
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        where = "the prompt argument" if prompt is not None else "the prompt on stdin"
+        raise UserError(f"{where} is not valid UTF-8 text (undecodable byte at character {e.start})") from None
+    return text
+
+
 def _read_stdin() -> str:
     if sys.stdin is None or sys.stdin.isatty():
         raise UserError("no prompt: pass one as an argument, on stdin, or use --file")
-    text = sys.stdin.read()
+    try:
+        text = sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"the prompt on stdin is not valid UTF-8 text (byte {e.start})") from None
     if not text.strip():
         raise UserError("the prompt on stdin is empty")
     return text.rstrip("\n")
@@ -83,6 +98,9 @@ def _read_batch(path: Path) -> list[dict]:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise UserError(f"cannot read --file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not valid UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
     jobs = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
