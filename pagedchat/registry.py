@@ -150,6 +150,9 @@ def _read_toml(path: Path) -> dict:
             return tomllib.load(f)
     except FileNotFoundError:
         return {}
+    except UnicodeDecodeError as e:
+        line = e.object[:e.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: invalid TOML: not UTF-8 text (byte 0x{e.object[e.start]:02x})") from None
     except tomllib.TOMLDecodeError as e:
         message = str(e)
         m = re.search(r"\s*\(at line (\d+), column (\d+)\)", message)
