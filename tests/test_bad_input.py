@@ -240,6 +240,29 @@ def test_invalid_models_toml_names_file_line_and_problem(cli, model, tmp_path, m
     assert_one_line(code, err, f"{path}:{line}", problem)
 
 
+@pytest.mark.parametrize("copy", ["user", "bundled"])
+def test_models_toml_that_is_not_utf8(cli, model, tmp_path, monkeypatch, copy):
+    path = write_user_toml(tmp_path, "") if copy == "user" else tmp_path / "models.toml"
+    path.write_bytes(b'[models.x]\n\ndescription = "caf\xe9"\n')
+    if copy == "bundled":
+        monkeypatch.setattr("pagedchat.registry.bundled_config_path", lambda: path)
+    code, _, err = cli("run", "-m", str(model), "hi")
+    assert_one_line(code, err, f"{path}:3: ", "not UTF-8")
+
+
+# -- text that is not UTF-8 -----------------------------------------------------------------------------------------
+def test_prompt_bytes_that_are_not_utf8(cli, model, tmp_path):
+    # undecodable bytes reach Python as lone surrogates (surrogateescape, on argv and a non-UTF-8 stdin)
+    code, _, err = cli("run", "-m", str(model), "--raw", "caf\udce9")
+    assert_one_line(code, err, "the prompt argument is not valid UTF-8")
+    code, _, err = cli("run", "-m", str(model), "--session", "s", stdin="caf\udce9 au lait\n")
+    assert_one_line(code, err, "the prompt on stdin is not valid UTF-8")
+    batch = tmp_path / "batch.jsonl"
+    batch.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    code, _, err = cli("run", "-m", str(model), "--file", str(batch))
+    assert_one_line(code, err, f"{batch}:2: not valid UTF-8")
+
+
 # -- sampling values -----------------------------------------------------------------------------------------------
 BAD_FLAGS = [
     (["--temperature", "-0.5"], "temperature must be >= 0"),
