@@ -230,3 +230,26 @@ def test_real_model_variants_over_the_pool_equal_an_unconstrained_run(model_dirs
     assert too_big.error and [o.finish_reason for o in too_big.outputs] == ["error"] * 3
     small.check_invariants()
     assert small.pool.num_used == 0
+
+
+def test_cli_variants_over_a_small_pool_match_an_unconstrained_run(model_dirs, tmp_path, capsys, monkeypatch):
+    import json
+
+    from cli_util import invoke
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    path, _ = model_dirs["llama"]
+    args = ["run", "-m", str(path), "--raw", "--json", "--temperature", "0", "-n", "3", "--max-tokens", "40",
+            "the quick brown fox jumps over the lazy dog " * 5]
+    # 10 blocks of 16; the prompt is 100 tokens: one variant needs 9 blocks, three need 6 shared + 3 x 3 = 15,
+    # so variants are preempted and re-prefilled (from the prefix cache) in turn
+    code, out, err = invoke(args + ["--kv-memory", "80KiB"], None, capsys, monkeypatch)
+    assert code == 0, err
+    small = json.loads(out)
+    code, out, err = invoke(args, None, capsys, monkeypatch)
+    big = json.loads(out)
+    assert small["usage"]["prompt_tokens"] == 100
+    assert small["kv"]["num_blocks"] == 10 and small["kv"]["peak_blocks_used"] <= 10
+    assert small["kv"]["prefix_hit_tokens"] > big["kv"]["prefix_hit_tokens"]   # the re-prefills
+    assert [o["token_ids"] for o in small["outputs"]] == [o["token_ids"] for o in big["outputs"]]
+    assert all(len(o["token_ids"]) == 40 or o["finish_reason"] == "stop" for o in small["outputs"])
