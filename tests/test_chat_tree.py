@@ -90,6 +90,7 @@ def test_regen_edit_fork_never_lose_a_node(ctl):
 
     regen = ctl.regen()
     assert regen.replies[0].parent == user2 and len(ctl.session.tree.children(user2)) == 2
+    assert "/regen would repeat the same reply" in regen.notes[0]  # so it samples instead
     fork = ctl.fork(3)
     assert [r.variant for r in fork.replies] == [1, 2, 3]
     assert all(r.parent == user2 for r in fork.replies)

@@ -225,7 +225,7 @@ class ChatController:
             user = s.tree.get(head.parent)
         if user is None:
             raise UserError("nothing to regenerate yet: send a message first")
-        params, notes = self._params(n)
+        params, notes = self._params(n, vary=True)
         out, interrupted, stats = self._generate(s.tree.path_tokens(user.id), params, notes, on_update)
         return self._finish(user, out, interrupted, stats, notes, user_node=None)
 
@@ -265,15 +265,17 @@ class ChatController:
                 return [root]
         return [Node(0, None, "system", s.system, self.templater.system_tokens(s.system))]
 
-    def _params(self, n: int):
+    def _params(self, n: int, vary: bool = False):
+        """Sampling for a turn. Variants (n > 1) and regenerations (vary) at temperature 0 would all be the
+        same reply, so they sample at the model's own temperature (or FORK_TEMPERATURE) and say so."""
         params, sources = self.sampling(n)
         notes = []
-        if n > 1 and params.temperature == 0:
+        if (n > 1 or vary) and params.temperature == 0:
             lower = self.entry.sampling_defaults().get("temperature")
             temperature = lower.value if lower is not None and lower.value else FORK_TEMPERATURE
             params = params.with_(temperature=float(temperature))
-            notes.append(f"temperature is 0, so the {n} variants would be identical: sampling them at "
-                         f"temperature {temperature:g}")
+            what = f"the {n} variants would be identical" if n > 1 else "/regen would repeat the same reply"
+            notes.append(f"temperature is 0, so {what}: sampling at temperature {temperature:g}")
         return params, notes
 
     def _pin_for(self, prompt: list[int]):
