@@ -186,11 +186,12 @@ def test_system_set_stats_clear(repl, ctl):
 
 
 def test_unknown_commands_literal_slash_blocks_and_newlines(repl, ctl):
+    paste = "\x1b[200~pasted one\npasted two\x1b[201~"  # bracketed paste: newlines do not send
     screen = repl("/bogus", "/tre", "//not a command", '"""', "line one", 'line two"""',
-                  raw="first" + ESC_ENTER + "second" + ENTER)
+                  raw="first" + ESC_ENTER + "second" + ENTER + paste + ENTER)
     assert "unknown command /bogus" in screen and "did you mean /tree" in screen
     users = [n.text for n in ctl.session.tree.nodes.values() if n.role == "user"]
-    assert users == ["/not a command", "line one\nline two", "first\nsecond"]
+    assert users == ["/not a command", "line one\nline two", "first\nsecond", "pasted one\npasted two"]
 
 
 def test_tab_completes_commands_and_history_is_kept(repl, ctl, tmp_path):

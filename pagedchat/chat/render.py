@@ -10,6 +10,7 @@ from datetime import datetime
 
 from rich.console import Group
 from rich.markdown import Markdown
+from rich.segment import Segment
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -25,9 +26,27 @@ def reply_view(text: str):
     return Markdown(text) if text.strip() else Text("…", style="dim")
 
 
-def variants_view(texts: list[str], titles: list[str], width: int):
-    """Variants side by side when each column gets a readable width, else stacked panels."""
-    panels = [Panel(reply_view(t), title=title, title_align="left", border_style="cyan")
+class Tail:
+    """The last `max_lines` lines of a renderable (the newest text of a reply still streaming)."""
+
+    def __init__(self, renderable, max_lines: int):
+        self.renderable, self.max_lines = renderable, max_lines
+
+    def __rich_console__(self, console, options):
+        lines = console.render_lines(self.renderable, options, pad=False)
+        for line in lines[-self.max_lines:]:
+            yield from line
+            yield Segment.line()
+
+
+def variants_view(texts: list[str], titles: list[str], width: int, max_lines: int | None = None):
+    """Variants side by side when each column gets a readable width, else stacked panels. With
+    max_lines, each panel shows only its newest lines (while streaming)."""
+    def body(text):
+        view = reply_view(text)
+        return Tail(view, max_lines) if max_lines else view
+
+    panels = [Panel(body(t), title=title, title_align="left", border_style="cyan")
               for t, title in zip(texts, titles)]
     if len(panels) > 1 and width // len(panels) >= MIN_COLUMN_WIDTH:
         grid = Table.grid(expand=True, padding=(0, 1))

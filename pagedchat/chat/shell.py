@@ -30,19 +30,30 @@ REFRESH_S = 1 / 12  # live re-render at most this often: markdown rendering is n
 
 
 class StreamView:
-    """Live view of one reply or of N variants side by side, while tokens arrive."""
+    """Live view of one reply or of N variants side by side, while tokens arrive.
+
+    While streaming, only the newest lines that fit on the screen are drawn (a live region taller than the
+    terminal cannot be redrawn in place and would smear copies into the scrollback); when the reply is
+    done the live region is cleared and the whole rendered reply is printed once.
+    """
 
     def __init__(self, console: Console, n: int):
         self.console, self.n = console, n
         self.texts = [""] * n
         self.titles = [f"variant {i + 1}" for i in range(n)]
-        self.live = Live(console=console, auto_refresh=False, vertical_overflow="visible")
+        self.live = Live(console=console, auto_refresh=False, transient=True, vertical_overflow="crop")
+        self.final = None
         self._last = 0.0
 
-    def view(self):
+    def view(self, tail: bool = True):
+        height = max(4, self.console.height - 3)
         if self.n == 1:
-            return render.reply_view(self.texts[0])
-        return render.variants_view(self.texts, self.titles, self.console.width)
+            reply = render.reply_view(self.texts[0])
+            return render.Tail(reply, height) if tail else reply
+        side_by_side = self.console.width // self.n >= render.MIN_COLUMN_WIDTH
+        per_panel = (height - 2) if side_by_side else max(1, height // self.n - 2)
+        return render.variants_view(self.texts, self.titles, self.console.width,
+                                    max_lines=per_panel if tail else None)
 
     def update(self, index: int, text: str) -> None:
         if index >= self.n:
@@ -54,8 +65,8 @@ class StreamView:
             self.live.update(self.view(), refresh=True)
 
     def finish(self, result: TurnResult | None) -> None:
+        """Called once the turn ends (result None: it failed; nothing is printed if nothing streamed)."""
         if result is None and not any(self.texts):
-            self.live.update(Text(""), refresh=True)  # the turn failed before any text: leave no trace
             return
         if result is not None:
             for reply in result.replies:
@@ -63,7 +74,7 @@ class StreamView:
                 if i < self.n:
                     self.texts[i] = reply.text
                     self.titles[i] = f"variant {i + 1} · #{reply.id}"
-        self.live.update(self.view(), refresh=True)
+        self.final = self.view(tail=False)
 
     def __enter__(self):
         self.live.start()
@@ -71,8 +82,8 @@ class StreamView:
 
     def __exit__(self, *exc):
         self.live.stop()
-        if not self.console.is_terminal:
-            self.console.line()  # Live ends its last render with a newline only on terminals
+        if self.final is not None:
+            self.console.print(self.final)
         return False
 
 
