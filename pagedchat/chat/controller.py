@@ -23,7 +23,7 @@ from pagedchat.errors import UserError
 SET_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty", "stop")
 _SET_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int, "seed": int,
               "repetition_penalty": float, "stop": list}
-FORK_TEMPERATURE = 0.8      # /fork at temperature 0 would give N identical variants
+FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
 MAX_FORK = 16
 
 
@@ -123,17 +123,6 @@ class ChatController:
         except SaveError as e:
             return str(e)
         return None
-
-    def close_session(self, name: str) -> None:
-        """Forget a resident session and release its pins (its file stays)."""
-        session = self.sessions.pop(name, None)
-        if session is None:
-            return
-        for handle in session.handles.values():
-            self.engine.release(handle)
-        session.handles.clear()
-        if self.current is session:
-            self.current = None
 
     # -- settings -------------------------------------------------------------------------------------------
     def sampling(self, n: int = 1):
