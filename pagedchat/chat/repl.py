@@ -156,8 +156,14 @@ def run_repl(ctl: ChatController, console: Console | None = None, pt_input=None,
     console = console or Console(highlight=False)
     if pt_input is None and not sys.stdin.isatty():
         return _run_plain(ctl, console)
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import FileHistory, InMemoryHistory
+    try:
+        from prompt_toolkit import PromptSession
+        from prompt_toolkit.history import FileHistory, InMemoryHistory
+    except ImportError:
+        console.print(Text("prompt-toolkit is not installed: plain input (no history file, completion or "
+                           "multi-line editing; \"\"\"-blocks still work)", style="yellow"))
+        console.print(banner(ctl))
+        return _run_plain(ctl, console, prompt=">>> ")
 
     from pagedchat.chat.store import history_file
 
@@ -187,21 +193,31 @@ def run_repl(ctl: ChatController, console: Console | None = None, pt_input=None,
     return 0
 
 
-def _run_plain(ctl: ChatController, console: Console) -> int:
-    """stdin is a pipe or a file: one message or command per line (\"\"\"-blocks span lines)."""
+def _run_plain(ctl: ChatController, console: Console, prompt: str | None = None) -> int:
+    """Line by line from stdin (a pipe, a file, or a terminal without prompt-toolkit): one message or
+    command per line; \"\"\"-blocks span lines."""
     shell = ChatShell(ctl, ChatUI(console))
     pending: list[str] = []
-    for raw in sys.stdin:
-        line = raw.rstrip("\n")
+    while shell.running:
+        try:
+            line = input(prompt if not pending else "... ") if prompt is not None else sys.stdin.readline()
+        except KeyboardInterrupt:
+            pending = []
+            console.print()
+            continue
+        except EOFError:
+            break
+        if prompt is None:
+            if not line:
+                break
+            line = line.rstrip("\n")
         if pending or open_block(line):
             pending.append(line)
             if open_block("\n".join(pending)):
                 continue
             line, pending = "\n".join(pending), []
         shell.handle(line)
-        if not shell.running:
-            break
-    if pending:
+    if pending and shell.running:
         shell.handle("\n".join(pending))
     return 0
 
