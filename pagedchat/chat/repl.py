@@ -189,7 +189,10 @@ def run_repl(ctl: ChatController, console: Console | None = None, pt_input=None,
             continue  # Ctrl-C at the prompt clears the line, like a shell
         except EOFError:
             break
-        shell.handle(line)
+        try:
+            shell.handle(line)
+        except KeyboardInterrupt:  # Ctrl-C outside a streaming reply (a table being printed, a save)
+            console.print(Text("interrupted", style="yellow"))
     return 0
 
 
