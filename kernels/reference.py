@@ -18,6 +18,9 @@ import torch
 # Upper bound on the fp32 score tensor built by one prefill matmul (elements); bigger prefills are
 # processed in query chunks so a long prompt on CPU does not allocate gigabytes of scores.
 _MAX_SCORE_ELEMENTS = 1 << 25
+# Up to this batch, decode loops over sequences at their exact lengths; above it, one padded batched call
+# amortizes the per-sequence Python overhead.
+_PER_SEQUENCE_MAX_BATCH = 64
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -83,6 +86,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if max_len == 0:
         return _into(out, torch.zeros_like(q))
     acc = compute_dtype(q.dtype)
+    if batch <= _PER_SEQUENCE_MAX_BATCH:
+        return _into(out, _decode_per_sequence(q, k_cache, v_cache, block_tables, lens.tolist(), scale, acc))
     # Pad every sequence to the longest one and mask: one batched call instead of a loop. Table
     # entries past a sequence's own blocks may be garbage: point them at block 0.
     num_blocks = -(-max_len // block_size)
@@ -97,6 +102,28 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     qg = q.to(acc).view(batch, num_kv_heads, group, 1, head_dim)  # query heads grouped by KV head
     o = masked_attention(qg, k, v, scale, lens.view(batch, 1))  # [B, Hkv, G, 1, D]
     return _into(out, o.reshape(batch, num_q_heads, head_dim).to(q.dtype))
+
+
+def _decode_per_sequence(q, k_cache, v_cache, block_tables, lens: list[int], scale: float,
+                         acc: torch.dtype) -> torch.Tensor:
+    """Each sequence over exactly its own slots: no padding, no masks, nothing past its end is read.
+    For the batch sizes a CPU serves this is several times faster than the padded batched call."""
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    result = torch.zeros(batch, num_kv_heads, group, head_dim, dtype=acc, device=q.device)
+    qg = q.to(acc).view(batch, num_kv_heads, group, head_dim)
+    tables = block_tables.to(device=q.device, dtype=torch.long)
+    block_size = k_cache.shape[1]
+    for i, length in enumerate(lens):
+        if length == 0:
+            continue
+        owned = tables[i, : -(-length // block_size)]  # a sequence's own entries are valid block ids
+        k = k_cache[owned].flatten(0, 1)[:length].to(acc)  # [L, Hkv, D]
+        v = v_cache[owned].flatten(0, 1)[:length].to(acc)
+        probs = (torch.einsum("hgd,lhd->hgl", qg[i], k) * scale).softmax(dim=-1)
+        result[i] = torch.einsum("hgl,lhd->hgd", probs, v)
+    return result.view(batch, num_q_heads, head_dim).to(q.dtype)
 
 
 def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:

@@ -141,6 +141,19 @@ def test_decode_ref_matches_naive(seed):
         torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("batch", [5, 70])  # the per-sequence loop and the padded batched path
+def test_decode_ref_paths_match_naive(batch):
+    gen = torch.Generator().manual_seed(batch)
+    seq_lens = torch.randint(0, 40, (batch,), generator=gen).tolist()
+    k_cache, v_cache, table = make_case(seq_lens, 8, 2, 16, torch.float64, gen)
+    q = torch.randn(batch, 4, 16, generator=gen, dtype=torch.float64)
+    out = K.paged_decode_attention_ref(q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32), 0.3)
+    assert not out.isnan().any()
+    for b in range(0, batch, 7):
+        want = naive_attention_row(q[b], k_cache, v_cache, table[b], seq_lens[b], 0.3)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_prefill_ref_matches_naive(seed):
     gen = torch.Generator().manual_seed(100 + seed)

@@ -110,33 +110,32 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]), samplers
 
     def _prepare(self, batch: ScheduledBatch):
+        """Flatten the batch into token, position and slot vectors (built as Python lists: per-sequence
+        tensor ops would cost more than a small model's whole decode step)."""
         bs, dev = self.block_size, self.device
         ids, positions, slots, seq_lens, cu, sample_rows, samplers = [], [], [], [], [0], [], []
         max_blocks = max(len(seq.block_table) for seq, _ in batch.items)
-        tables = torch.zeros((len(batch.items), max_blocks), dtype=torch.int32)
-        for row, (seq, n) in enumerate(batch.items):
-            start, end = seq.num_computed, seq.num_computed + n
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            tables[row, : len(seq.block_table)] = table.to(torch.int32)
-            pos = torch.arange(start, end)
-            ids.append(torch.tensor(seq.token_ids[start:end], dtype=torch.long))
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
+        tables = []
+        for seq, n in batch.items:
+            start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables.append(table + [0] * (max_blocks - len(table)))
             seq_lens.append(end)
             cu.append(cu[-1] + n)
             if end == seq.num_tokens:
                 sample_rows.append(cu[-1] - 1)
                 samplers.append(seq)
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(dev, non_blocking=True),
-            block_tables=tables.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             is_decode=cu[-1] == len(batch.items),
             max_seq_len=max(seq_lens))
-        return (torch.cat(ids).to(dev, non_blocking=True), torch.cat(positions).to(dev, non_blocking=True),
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
                 meta.slot_mapping, meta, sample_rows, samplers)
-
 
 class DecodeGraphs:
     """CUDA graphs of the decode step for a ladder of batch sizes; a batch is padded up to the next size.

@@ -39,7 +39,8 @@ class Sequence:
         self.parent: Sequence | None = None  # a pinned sequence to fork from at admission
         self.text = ""                      # detokenized output (stop strings cut off)
         self.emitted = 0                    # characters of text already streamed
-        self.detok_offsets = (0, 0)         # incremental detokenizer state (prefix_offset, read_offset)
+        self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
+        self.detok_stream = None            # fast-tokenizer DecodeStream
 
     @property
     def num_tokens(self) -> int:
