@@ -11,6 +11,7 @@ import json
 import sys
 
 from pagedchat.chat.app import start
+from pagedchat.chat.shell import stop_on_ctrl_c
 from pagedchat.commands.common import ModelOptions, SamplingOptions
 from pagedchat.errors import UserError
 
@@ -39,7 +40,8 @@ def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: st
     if head is not None and head.role == "user":
         raise UserError(f"the head of session {current.name} (#{head.id}) is a message with no reply; answer "
                         f"it in `pagedchat chat --session {current.name}` (/regen)")
-    result = ctl.send(text, n=num_variants, on_update=write if streaming else None)
+    with stop_on_ctrl_c(ctl):
+        result = ctl.send(text, n=num_variants, on_update=write if streaming else None)
     if as_json:
         print(json.dumps(_report(ctl, result)))
     elif streaming:

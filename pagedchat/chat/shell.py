@@ -113,21 +113,25 @@ class ChatUI:
     def clear_screen(self) -> None:
         self.console.clear()
 
-    @contextmanager
     def interruptible(self, ctl: ChatController):
-        """Ctrl-C while a reply streams stops it at the next step (the engine is never cut mid-step)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
+        return stop_on_ctrl_c(ctl)
 
-        def stop(signum, frame):
-            ctl.stop_requested = True
 
-        previous = signal.signal(signal.SIGINT, stop)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
+@contextmanager
+def stop_on_ctrl_c(ctl: ChatController):
+    """Ctrl-C while a reply streams stops it at the next step (the engine is never cut mid-step)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        ctl.stop_requested = True
+
+    previous = signal.signal(signal.SIGINT, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @dataclass

@@ -63,7 +63,7 @@ def show_session(name: str = typer.Argument(..., help="Session name."),
                  ) -> None:
     from rich.text import Text
 
-    from pagedchat.chat.render import conversation_view, tree_view
+    from pagedchat.chat.render import conversation_view, local_time, tree_view
     from pagedchat.chat.store import SessionStore
 
     store = SessionStore()
@@ -72,7 +72,8 @@ def show_session(name: str = typer.Argument(..., help="Session name."),
     system = f" · system prompt {session.system!r}" if session.system else ""
     console.print(Text(f"session {session.name} · model {session.model} · {session.num_messages} messages, "
                        f"{len(session.tree.leaves())} branches · head #{session.head} · created "
-                       f"{session.created[:19]} · updated {session.updated[:19]}{system}", style="bold"))
+                       f"{local_time(session.created)} · updated {local_time(session.updated)}{system}",
+                       style="bold"))
     console.print(Text(str(store.path(name)), style="dim"))
     if tree:
         console.print(tree_view(session))
