@@ -134,3 +134,24 @@ def test_sessions_list_survives_a_corrupt_file(cli, model, env, capsys, monkeypa
     assert code == 0 and "good" in out and "broken" not in out
     assert err.count("\n") == 1 and "session broken is corrupt" in err and "broken.json.corrupt" in err
     assert (folder / "broken.json.corrupt").exists()
+
+
+def test_run_session_ctrl_c_saves_the_partial_reply(cli, model, env, monkeypatch):
+    import signal
+
+    from pagedchat.engine import Engine
+
+    real_step, steps = Engine.step, []
+
+    def step(self):
+        steps.append(1)
+        if len(steps) == 4:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C while the reply streams
+        return real_step(self)
+
+    monkeypatch.setattr(Engine, "step", step)
+    result = cli("run", "-m", model, "--session", "cut", "--max-tokens", "200", "--device", "cpu", "hello world")
+    assert result.exit_code == 130
+    reply = _session(env, "cut")["nodes"][1]
+    assert reply["interrupted"] is True and 0 < len(reply["token_ids"]) < 10
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
