@@ -45,6 +45,26 @@ def test_turn_suffixes_reproduce_the_full_chatml_render(ctl, system):
         messages.append({"role": "assistant", "content": reply})
 
 
+def test_a_template_that_rewrites_old_turns_keeps_the_ids_the_model_saw(ctl):
+    """Like Qwen3 dropping old reasoning: the stored ids stay, only the end-of-turn glue and the new turn
+    are appended (re-rendering would change the prefix and throw the cache away)."""
+    import copy
+
+    tok = copy.deepcopy(ctl.engine.tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}{% set c = m['content'] %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}{% set c = c.split('</think>')[-1] %}{% endif %}"
+        "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    t = Templater(tok, end_token_ids=ctl.engine.eos_token_ids)
+    tree = Tree()
+    user = tree.add(None, "user", "hi", t.user_turn_tokens([], "hi"))
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    reply = tree.add(user.id, "assistant", "answer", t.encode("<think>abc</think>answer") + [eos])
+    suffix = t.decode(t.user_turn_tokens(tree.path(reply.id), "next"))
+    assert suffix == "\n<|im_start|>user\nnext<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_history_ids_are_never_retokenized(ctl):
     """The model's own ids for a reply stay in the prompt even where BPE would split the text differently."""
     first = ctl.send("hello world")
