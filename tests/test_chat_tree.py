@@ -174,6 +174,8 @@ def test_system_prompt_is_a_shared_root(ctl):
 def test_user_errors_are_clear(ctl):
     with pytest.raises(UserError, match="nothing to regenerate"):
         ctl.regen()
+    with pytest.raises(UserError, match="nothing to fork yet"):
+        ctl.fork(2)
     r = ctl.send("hello world")
     with pytest.raises(UserError, match="no node #99"):
         ctl.switch(99)

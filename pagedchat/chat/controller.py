@@ -239,7 +239,12 @@ class ChatController:
         """N variants in parallel, forks of one sequence: of a new message, else of the head's reply."""
         if not 1 <= n <= MAX_FORK:
             raise UserError(f"/fork takes a number of variants from 1 to {MAX_FORK}, got {n}")
-        return self.send(text, n, on_update) if text else self.regen(n, on_update)
+        if text:
+            return self.send(text, n, on_update)
+        head = self.session.head_node()
+        if head is None or head.role == "system":
+            raise UserError("nothing to fork yet: /fork N MESSAGE sends MESSAGE and answers it N ways")
+        return self.regen(n, on_update)
 
     # -- internals ------------------------------------------------------------------------------------------
     def _path_with_system(self):
