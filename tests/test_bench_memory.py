@@ -68,12 +68,12 @@ def test_fork_copies_at_most_one_block_per_child():
         assert row["cow_copies"] == (0 if row["history"] % 16 == 0 else row["children"])
 
 
-def test_contiguous_never_exceeds_its_slots_and_finishes_everything():
+def test_contiguous_never_exceeds_its_slots():
     p = TraceParams(requests=50, max_len=512, mean_prompt=100, mean_output=50, pool_tokens=2048)
     c = simulate_contiguous(make_trace(p), p)
     assert c.peak_concurrency() == 4
     assert all(r <= 4 * 512 for r in c.reserved)
-    assert c.running[-1] == 0
+    assert all(0 < h <= r for h, r in zip(c.held, c.reserved))   # K/V written fits in what is reserved
 
 
 def test_preemption_under_pressure_keeps_the_pool_consistent():

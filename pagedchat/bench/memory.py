@@ -209,7 +209,16 @@ def simulate_paged(trace: list[TraceRequest], p: TraceParams, block_size: int | 
     for r in trace:
         sim.add(r.prompt, r.output_len)
     result = SimResult(block_size=bs)
-    sim.run(on_step=lambda s: result.samples.append(s.sample()))
+    # Sample right after each step's commit: the forward pass has written its K/V and nothing has finished
+    # yet, so every request that held memory during the step is counted (even one that ends in it).
+    commit = sim.scheduler.commit
+
+    def commit_and_sample(batch) -> None:
+        commit(batch)
+        result.samples.append(sim.sample())
+
+    sim.scheduler.commit = commit_and_sample
+    sim.run()
     sim.pool.check_invariants(sim.scheduler.all_tables())
     assert sim.pool.num_used == 0, "blocks leaked after every request finished"
     result.preemptions = sim.scheduler.num_preemptions
@@ -268,12 +277,14 @@ def simulate_contiguous(trace: list[TraceRequest], p: TraceParams) -> Contiguous
             budget -= n
         for r, n in scheduled:
             r[1] += n
-            if r[1] == r[0]:        # reached its last token: it samples one more
-                r[0] += 1
-        running = [r for r in running if r[0] < r[2]]
+        # Sampled at the same point as the paged side: K/V written, nothing finished yet.
         out.reserved.append(len(running) * p.max_len)
         out.held.append(sum(r[1] for r in running))
         out.running.append(len(running))
+        for r, n in scheduled:
+            if r[1] == r[0]:        # reached its last token: it samples one more
+                r[0] += 1
+        running = [r for r in running if r[0] < r[2]]
     return out
 
 
