@@ -59,3 +59,24 @@ def test_model_choice_errors_are_user_errors():
                  ["bench", "chat", "--random", "llama", "--history", "a,b"]):
         result = runner.invoke(app, args)
         assert isinstance(result.exception, UserError), (args, result.exception)
+
+
+def test_bench_kernels_without_cuda_is_a_clear_error(monkeypatch):
+    import sys
+    import types
+
+    import torch
+
+    from pagedchat.errors import UserError
+
+    fake = types.ModuleType("pagedchat.bench.kernels")
+
+    def run_kernel_bench(as_json=False, plot=None):
+        raise RuntimeError("the kernel benchmark needs CUDA")
+
+    fake.run_kernel_bench = run_kernel_bench
+    monkeypatch.setitem(sys.modules, "pagedchat.bench.kernels", fake)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = CliRunner().invoke(app, ["bench", "kernels"])
+    assert isinstance(result.exception, UserError)
+    assert "CUDA" in str(result.exception)

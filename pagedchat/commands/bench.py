@@ -198,9 +198,18 @@ def kernels(as_json: bool = JSON, plot: Optional[str] = PLOT) -> None:
         from pagedchat.bench.kernels import run_kernel_bench
     except ImportError as e:
         raise UserError(f"the kernel benchmark is not available in this build ({e})") from None
+    import torch
+
     accepted = inspect.signature(run_kernel_bench).parameters
     offered = {"as_json": as_json, "json": as_json, "plot": _plot_path(plot)}
-    result = run_kernel_bench(**{k: v for k, v in offered.items() if k in accepted})
+    try:
+        result = run_kernel_bench(**{k: v for k, v in offered.items() if k in accepted})
+    except UserError:
+        raise
+    except Exception as e:
+        if torch.cuda.is_available():
+            raise
+        raise UserError(f"bench kernels needs a CUDA GPU: {e}") from None
     if as_json and isinstance(result, dict):
         print_json(result)
 
