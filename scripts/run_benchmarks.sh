@@ -13,7 +13,7 @@ want() { [[ -z "${ONLY:-}" || "$ONLY" == "$1" ]]; }
 run() {  # run NAME -- COMMAND...: stdout (one JSON object) to $OUT/NAME.json, atomically
     local name=$1; shift 2
     echo "== $name: $*" >&2
-    "$@" > "$OUT/$name.json.tmp"
+    "$@" > "$OUT/$name.json.tmp" || { rm -f "$OUT/$name.json.tmp"; return 1; }
     mv "$OUT/$name.json.tmp" "$OUT/$name.json"
 }
 
@@ -37,7 +37,8 @@ if want gpu && python -c "import sys, torch; sys.exit(0 if torch.cuda.is_availab
         --requests 256 --max-tokens 256 --repeats 3 --profile --json --plot docs/img/throughput-gpu.png
     run chat-gpu-1b -- pagedchat bench chat --random llama --random-size 1b --device cuda --json \
         --plot docs/img/chat-gpu.png
-    run kernels-gpu -- pagedchat bench kernels --json || echo "bench kernels failed; see above" >&2
+    run kernels-gpu -- pagedchat bench kernels --json --plot docs/img/kernels-gpu.png \
+        || echo "bench kernels failed; see above" >&2
 fi
 python -m pagedchat.bench.report "$OUT" > docs/benchmarks.md.tmp
 mv docs/benchmarks.md.tmp docs/benchmarks.md

@@ -71,7 +71,7 @@ def test_bench_kernels_without_cuda_is_a_clear_error(monkeypatch):
 
     fake = types.ModuleType("pagedchat.bench.kernels")
 
-    def run_kernel_bench(as_json=False, plot=None):
+    def run_kernel_bench(show=True, plot_path=None):
         raise RuntimeError("the kernel benchmark needs CUDA")
 
     fake.run_kernel_bench = run_kernel_bench

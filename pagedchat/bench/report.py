@@ -239,6 +239,19 @@ def chat_section(res: dict[str, dict], key: str, title: str, picture: str | None
     return "\n".join(parts)
 
 
+def kernels_section(res: dict[str, dict]) -> str:
+    """The kernels engineer's measurements, as they come (one row per measurement)."""
+    k = res.get("kernels-gpu")
+    if not k or not k.get("measurements"):
+        return ""
+    rows = k["measurements"]
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    return "\n".join(["## Kernels (GPU)", "", command_block(k), "", provenance(k) + ".", "",
+                      table(keys, [[num(row.get(key)) if isinstance(row.get(key), (int, float)) else
+                                    row.get(key, "-") for key in keys] for row in rows]), "",
+                      "![kernels](img/kernels-gpu.png)", ""])
+
+
 def misses_section(res: dict[str, dict], gs: list[Goal]) -> str:
     missed = [g for g in gs if not g.met]
     parts = ["## Goals missed: by how much, why, and what would close them", ""]
@@ -346,6 +359,7 @@ def render(res: dict[str, dict]) -> str:
               chat_section(res, "chat-cpu-small", "CPU, small random Llama", "img/chat.png"),
               chat_section(res, "chat-cpu-tiny", "CPU, tiny random Llama", None),
               chat_section(res, "chat-gpu-1b", "GPU, 1B-shaped random Llama, bf16", "img/chat-gpu.png"),
+              kernels_section(res),
               misses_section(res, gs)]
     return "\n".join(p for p in parts if p is not None).rstrip() + "\n"
 

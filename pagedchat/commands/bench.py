@@ -189,8 +189,21 @@ def _threads(threads: Optional[int], device: str) -> Optional[int]:
 
 
 @bench.command("kernels", help="The Triton paged-attention kernels against copy bandwidth and SDPA (CUDA).")
-def kernels(as_json: bool = JSON, plot: Optional[str] = PLOT) -> None:
+def kernels(
+    sweeps: Optional[str] = typer.Option(None, "--sweeps", help="Comma-separated decode sweeps (batch, context, "
+                                                               "block_size, gqa); default all."),
+    which: Optional[str] = typer.Option(None, "--kernels", help="Comma-separated kernels (decode, prefill, "
+                                                                "write_kv, copy_blocks); default all."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
+    iters: Optional[int] = typer.Option(None, "--iters", help="Timed iterations per point."),
+    as_json: bool = JSON,
+    plot: Optional[str] = PLOT,
+) -> None:
+    """Wires the kernels engineer's `run_kernel_bench` (pagedchat/bench/kernels.py) to the CLI; passes only
+    the arguments its signature takes."""
     import inspect
+
+    import torch
 
     from pagedchat.bench.common import print_json
 
@@ -198,20 +211,22 @@ def kernels(as_json: bool = JSON, plot: Optional[str] = PLOT) -> None:
         from pagedchat.bench.kernels import run_kernel_bench
     except ImportError as e:
         raise UserError(f"the kernel benchmark is not available in this build ({e})") from None
-    import torch
-
+    split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
+    offered = {"show": not as_json, "plot_path": _plot_path(plot), "dtype": dtype, "iters": iters,
+               "sweeps": split(sweeps) if sweeps else None, "kernels": split(which) if which else None}
     accepted = inspect.signature(run_kernel_bench).parameters
-    offered = {"as_json": as_json, "json": as_json, "plot": _plot_path(plot)}
     try:
-        result = run_kernel_bench(**{k: v for k, v in offered.items() if k in accepted})
+        result = run_kernel_bench(**{k: v for k, v in offered.items() if k in accepted and v is not None})
     except UserError:
         raise
     except Exception as e:
         if torch.cuda.is_available():
             raise
         raise UserError(f"bench kernels needs a CUDA GPU: {e}") from None
-    if as_json and isinstance(result, dict):
-        print_json(result)
+    if as_json:
+        data = result if isinstance(result, dict) else {"measurements": result}
+        _stamp(data)
+        print_json(data)
 
 
 def _plot_path(plot: Optional[str]) -> Optional[str]:
