@@ -11,7 +11,7 @@ from dataclasses import replace
 from pagedchat.chat.controller import ChatController
 from pagedchat.chat.session import check_name
 from pagedchat.chat.store import SessionStore
-from pagedchat.commands.common import ModelOptions, SamplingOptions, load_engine
+from pagedchat.settings import ModelOptions, SamplingOptions, load_engine
 from pagedchat.errors import UserError
 
 

@@ -17,7 +17,7 @@ from pagedchat.chat.session import Session, check_name
 from pagedchat.chat.store import SaveError, SessionStore
 from pagedchat.chat.tree import Node
 from pagedchat.chat.turns import Templater
-from pagedchat.commands.common import SamplingOptions, resolve_sampling
+from pagedchat.settings import SamplingOptions, resolve_sampling
 from pagedchat.errors import UserError
 
 SET_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty", "stop")

@@ -12,7 +12,7 @@ import sys
 
 from pagedchat.chat.app import start
 from pagedchat.chat.shell import stop_on_ctrl_c
-from pagedchat.commands.common import ModelOptions, SamplingOptions
+from pagedchat.settings import ModelOptions, SamplingOptions
 from pagedchat.errors import UserError
 
 

@@ -114,7 +114,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, settings)
 
         def prompt_ids(engine) -> list[int]:
-            from pagedchat.commands.common import render_chat
+            from pagedchat.settings import render_chat
 
             return _checked(engine, render_chat(engine, messages, settings.template_kwargs), "messages")
 

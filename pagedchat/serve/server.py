@@ -63,7 +63,7 @@ def run_server(model_opts, host: str, port: int, api_key: str | None, served_mod
                verbose: bool = False) -> None:
     import uvicorn
 
-    from pagedchat.commands.common import load_engine
+    from pagedchat.settings import load_engine
     from pagedchat.serve.app import create_app
     from pagedchat.serve.async_engine import AsyncEngine
 
