@@ -15,7 +15,7 @@ import random
 import time
 from pathlib import Path
 
-from pagedchat.bench.common import percentile, ratio
+from pagedchat.bench.common import percentile
 from pagedchat.bench.throughput import FIRST_ID
 from pagedchat.errors import UserError
 
