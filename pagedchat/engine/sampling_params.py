@@ -50,6 +50,8 @@ class SamplingParams:
                 raise UserError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_number(self.seed, int):
             raise UserError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise UserError(f"seed must fit in 64 bits, got {self.seed}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) for s in self.stop):
             raise UserError(f"stop must be a string or a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, list) or not all(_is_number(t, int) for t in self.stop_token_ids):
