@@ -133,6 +133,10 @@ class Engine:
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
+        if params.n > self.scheduler.max_num_seqs:
+            # variants all run at once: more than a step's sequences would only thrash the scheduler
+            raise RequestError(f"{params.n} variants is more than the {self.scheduler.max_num_seqs} sequences the "
+                               f"engine runs at once")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt is {len(ids)} tokens but the model's context is {self.max_model_len} "
                                f"tokens (at least one must be left to generate)")
