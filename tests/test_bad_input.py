@@ -274,6 +274,8 @@ BAD_FLAGS = [
     (["--min-p", "1"], "min_p must be in [0, 1)"),
     (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["-n", "0"], "-n must be >= 1"),
+    (["-n", "100000"], "100000 variants is more than the 256 sequences"),
+    (["--seed", str(2**70)], "seed must fit in 64 bits"),
     (["--max-context", "0"], "--max-context must be a positive number"),
     (["--block-size", "12"], "--block-size must be a power of two"),
     (["--kv-memory", "lots"], "invalid size 'lots'"),
