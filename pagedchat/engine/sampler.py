@@ -56,7 +56,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         assert logits.shape[0] == len(seqs)
         logits = logits.float()
-        apply_repetition_penalty(logits, seqs)
+        if any(s.request.params.repetition_penalty != 1.0 for s in seqs):
+            logits = logits.clone()  # the runner's logits are inference tensors: no in-place update on them
+            apply_repetition_penalty(logits, seqs)
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
         if random_rows:
