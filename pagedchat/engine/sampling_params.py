@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from pagedchat.errors import UserError
@@ -45,6 +46,8 @@ class SamplingParams:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             if not _is_number(getattr(self, name), float):
                 raise UserError(f"{name} must be a number, got {getattr(self, name)!r}")
+            if math.isinf(getattr(self, name)):
+                raise UserError(f"{name} must be finite, got {getattr(self, name)}")
         for name in ("top_k", "max_tokens", "n"):
             if not _is_number(getattr(self, name), int):
                 raise UserError(f"{name} must be an integer, got {getattr(self, name)!r}")
