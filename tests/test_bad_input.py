@@ -273,6 +273,8 @@ BAD_FLAGS = [
     (["--top-k", "-2"], "top_k must be >= 0"),
     (["--min-p", "1"], "min_p must be in [0, 1)"),
     (["--repetition-penalty", "0"], "repetition_penalty must be > 0"),
+    (["--temperature", "inf"], "temperature must be finite"),
+    (["--temperature", "nan"], "temperature must be >= 0"),
     (["-n", "0"], "-n must be >= 1"),
     (["-n", "100000"], "100000 variants is more than the 256 sequences"),
     (["--seed", str(2**70)], "seed must fit in 64 bits"),
@@ -287,16 +289,38 @@ BAD_FLAGS = [
 
 
 @pytest.mark.parametrize("command", ["run", "chat"])
-@pytest.mark.parametrize("args,message", BAD_FLAGS[:8])
+@pytest.mark.parametrize("args,message", BAD_FLAGS[:10])
 def test_invalid_sampling_flags(cli, model, command, args, message):
     code, _, err = cli(command, "-m", str(model), *args, *(["hi"] if command == "run" else []))
     assert_one_line(code, err, message)
 
 
-@pytest.mark.parametrize("args,message", BAD_FLAGS[8:])
+@pytest.mark.parametrize("args,message", BAD_FLAGS[10:])
 def test_invalid_model_and_pool_flags(cli, model, args, message):
     code, _, err = cli("run", "-m", str(model), *args, "hi")
     assert_one_line(code, err, message)
+
+
+@pytest.mark.parametrize("args", [["--repetition-penalty", "1.3"], ["--repetition-penalty", "0.01"],
+                                  ["--temperature", "1e-30"], ["--temperature", "1e30"], ["--top-p", "1e-30"],
+                                  ["--min-p", "0.999999"], ["--top-k", "99999999"], ["--seed", "-1"]])
+def test_extreme_but_valid_sampling_values_work(cli, model, args):
+    code, out, err = cli("run", "-m", str(model), "--raw", "--json", "--temperature", "1", "--seed", "3",
+                         "--max-tokens", "6", *args, "hello world")
+    assert code == 0 and not err.strip(), err
+    assert len(json.loads(out)["outputs"][0]["token_ids"]) == 6
+
+
+def test_repetition_penalty_really_applies(cli, model):
+    """A huge penalty on greedy decoding: no token is ever repeated (the flag used to crash on real logits)."""
+    args = ["run", "-m", str(model), "--raw", "--json", "--temperature", "0", "--max-tokens", "30"]
+    code, out, err = cli(*args, "--repetition-penalty", "1000", "hello world hello world")
+    assert code == 0, err
+    tokens = json.loads(out)["outputs"][0]["token_ids"]
+    assert len(set(tokens)) == len(tokens) == 30
+    code, out, _ = cli(*args, "hello world hello world")
+    plain = json.loads(out)["outputs"][0]["token_ids"]
+    assert len(set(plain)) < len(plain)                      # without it, greedy decoding repeats itself
 
 
 @pytest.mark.parametrize("line,message", [
