@@ -363,7 +363,7 @@ def test_invalid_repl_commands_are_one_red_line(model_dirs, tmp_path, command, m
     from pagedchat.chat.controller import ChatController
     from pagedchat.chat.shell import ChatShell, ChatUI
     from pagedchat.chat.store import SessionStore
-    from pagedchat.commands.common import ModelOptions, SamplingOptions, load_engine
+    from pagedchat.settings import ModelOptions, SamplingOptions, load_engine
 
     engine, entry = load_engine(ModelOptions(str(model_dirs["llama"][0]), device="cpu", kv_memory="1MiB"),
                                 show_progress=False)

@@ -20,7 +20,7 @@ KEY = "k"
 def server(tmp_path_factory):
     import uvicorn
 
-    from pagedchat.commands.common import ModelOptions, load_engine
+    from pagedchat.settings import ModelOptions, load_engine
     from pagedchat.serve import AsyncEngine, create_app
     from pagedchat.serve.server import bind_socket, settings_for, url_of
 

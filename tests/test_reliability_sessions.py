@@ -22,7 +22,7 @@ from cli_util import invoke
 from pagedchat.chat.controller import ChatController
 from pagedchat.chat.shell import ChatShell, ChatUI
 from pagedchat.chat.store import SessionStore
-from pagedchat.commands.common import ModelOptions, SamplingOptions, load_engine
+from pagedchat.settings import ModelOptions, SamplingOptions, load_engine
 
 
 @pytest.fixture
@@ -51,6 +51,15 @@ def ctl(model, xdg):
 def shell_for(ctl):
     console = Console(file=io.StringIO(), width=160, color_system=None, highlight=False)
     return ChatShell(ctl, ChatUI(console)), console.file
+
+
+def close(ctl, name):
+    """Forget a resident session and release its pins (its file stays)."""
+    session = ctl.sessions.pop(name)
+    for handle in session.handles.values():
+        ctl.engine.release(handle)
+    if ctl.current is session:
+        ctl.current = None
 
 
 def pool_is_clean(engine, sessions):
@@ -128,7 +137,7 @@ def test_continue_skips_a_corrupt_newest_session(ctl, cli):
 def test_repl_open_of_a_corrupt_session_is_one_line_and_the_repl_goes_on(ctl):
     paths = make_sessions(ctl, "keep", "broken")
     paths["broken"].write_bytes(b"\x00")
-    ctl.close_session("broken")
+    close(ctl, "broken")
     shell, screen = shell_for(ctl)
     shell.handle("/open broken")
     shell.handle("/sessions")
@@ -430,3 +439,58 @@ def test_fork_whose_variant_outgrows_the_pool_fails_alone_and_leaves_no_stray_pi
     ctl.cli.max_tokens = 4
     shell.handle("a short one")
     assert len(ctl.session.tree) == 2
+
+
+def test_a_long_chat_over_many_sessions_never_leaks_blocks(model, xdg):
+    """Sixty random REPL actions over three sessions sharing a small pool (pins get evicted): after each one,
+    every used block belongs to a pinned branch head some session still knows; closing every session frees
+    the whole pool."""
+    import random
+
+    engine, entry = load_engine(ModelOptions(str(model), device="cpu", kv_memory="256KiB"), show_progress=False)
+    ctl = ChatController(engine, entry, SessionStore(), SamplingOptions(temperature=0.0, max_tokens=5))
+    shell, screen = shell_for(ctl)
+    rng = random.Random(7)
+    drops = {"pressure": 0}
+    real_make_room, real_evict = engine.scheduler._make_room, engine.scheduler.evict_pin
+
+    def make_room(*args, **kwargs):  # pins dropped while making room, not released by the controller
+        engine.scheduler.evict_pin = lambda seq: (drops.__setitem__("pressure", drops["pressure"] + 1),
+                                                  real_evict(seq))
+        try:
+            return real_make_room(*args, **kwargs)
+        finally:
+            engine.scheduler.evict_pin = real_evict
+
+    engine.scheduler._make_room = make_room
+    names = ["a", "b", "c"]
+    for name in names:
+        shell.handle(f"/new {name}")
+    for _ in range(60):
+        session = ctl.session
+        nodes = list(session.tree.nodes.values())
+        users = [n.id for n in nodes if n.role == "user"]
+        action = rng.choice(["send", "send", "regen", "fork", "switch", "edit", "open", "pick"])
+        if action == "send" or not nodes:
+            shell.handle(f"message {rng.randrange(1000)} " * rng.randint(1, 6))
+        elif action == "regen":
+            shell.handle("/regen")
+        elif action == "fork":
+            shell.handle(f"/fork {rng.randint(2, 4)}")
+        elif action == "switch":
+            shell.handle(f"/switch {rng.choice(nodes).id}")
+        elif action == "edit" and users:
+            shell.handle(f"/edit {rng.choice(users)} edited {rng.randrange(100)}")
+        elif action == "pick":
+            shell.handle(f"/pick {rng.randint(1, 3)}")
+        else:
+            shell.handle(f"/open {rng.choice(names)}")
+        pool_is_clean(engine, ctl.sessions.values())
+    text = screen.getvalue()
+    assert "Traceback" not in text and "internal error" not in text, text
+    assert sum(len(s.tree) for s in ctl.sessions.values()) > 60
+    assert drops["pressure"] > 0, "the pool never ran short: pins were never evicted"
+    for name in names:
+        close(ctl, name)
+    engine.check_invariants()
+    assert engine.pool.num_used == 0 and not engine.scheduler.pins
