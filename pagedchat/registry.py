@@ -20,7 +20,7 @@ from pagedchat.errors import UserError
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
 ENTRY_KEYS = {"source", "path", "revision", "aliases", "dtype", "max_context", "chat_template",
               "chat_template_kwargs", "system_prompt", "stop", "sampling", "trust_remote_code", "kv", "description"}
-DEFAULT_KEYS = ENTRY_KEYS | {"model", "keep_alive"}
+DEFAULT_KEYS = (ENTRY_KEYS - {"trust_remote_code"}) | {"model", "keep_alive"}  # remote code: per model only
 
 
 def user_config_path() -> Path:
@@ -243,6 +243,9 @@ def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> N
 
     if not isinstance(table, dict):
         fail("must be a table")
+    if where == "defaults" and "trust_remote_code" in table:
+        fail("trust_remote_code is allowed only in a model's own [models.NAME] table: it lets that model's "
+             "folder run code on this machine", "trust_remote_code")
     unknown = sorted(set(table) - allowed)
     if unknown:
         fail(f"has unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})", unknown[0])
