@@ -22,6 +22,7 @@ from cli_util import invoke
 from pagedchat.chat.controller import ChatController
 from pagedchat.chat.shell import ChatShell, ChatUI
 from pagedchat.chat.store import SessionStore
+from pagedchat.errors import UserError
 from pagedchat.settings import ModelOptions, SamplingOptions, load_engine
 
 
@@ -367,10 +368,15 @@ def test_trust_remote_code_only_from_the_model_entry(model, xdg, tmp_path, monke
     monkeypatch.setattr(pagedchat.engine, "Engine", Engine)
     toml = tmp_path / "config" / "pagedchat" / "models.toml"
     toml.parent.mkdir(parents=True)
-    toml.write_text(f'[defaults]\ntrust_remote_code = true\n\n[models.plain]\nsource = "{model}"\n\n'
-                    f'[models.remote]\nsource = "{model}"\ntrust_remote_code = true\n')
+    entries = f'[models.plain]\nsource = "{model}"\n\n[models.remote]\nsource = "{model}"\ntrust_remote_code = true\n'
+    toml.write_text(entries)
     for name in ("plain", "remote", str(model)):
         load_engine(ModelOptions(name, device="cpu"))
+    assert seen == [False, True, False]
+    # a blanket [defaults] trust_remote_code would let every model folder run code: refused, with its line
+    toml.write_text("[defaults]\nmodel = \"plain\"\ntrust_remote_code = true\n\n" + entries)
+    with pytest.raises(UserError, match=r"models.toml:3: \[defaults\] trust_remote_code is allowed only in a model"):
+        load_engine(ModelOptions("plain", device="cpu"))
     assert seen == [False, True, False]
 
 
