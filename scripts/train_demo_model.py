@@ -1,0 +1,858 @@
+#!/usr/bin/env python3
+"""Train pagedchat's offline demo chat model from scratch on a synthetic corpus.
+
+No model hub is reachable, so pagedchat ships its own tiny LlamaForCausalLM. This script
+ 1. generates multi-turn ChatML conversations for a few task families (arithmetic on 0..99,
+    spelling words backwards, counting letters, capitals of 50 countries, small talk, and
+    follow-ups that need the history),
+ 2. trains a byte-level BPE tokenizer that splits digits into single tokens,
+ 3. trains the model on assistant tokens only, and
+ 4. saves everything in Hugging Face format (float16 safetensors).
+
+Fixed operand pairs and words are held out of training; eval_demo_model.py asks about them.
+The run is deterministic for a given --steps and --seed (--minutes picks the step count from
+the measured speed, so it is not). Only torch, tokenizers and transformers are needed.
+
+    python scripts/train_demo_model.py --steps 1800 --out pagedchat/assets/demo-chat
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# ----------------------------------------------------------------------------------------------
+# Fact tables and word lists
+# ----------------------------------------------------------------------------------------------
+
+# (country as written in prose, capital). A leading "the " is optional when users ask.
+CAPITALS = [
+    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"),
+    ("Portugal", "Lisbon"), ("the United Kingdom", "London"), ("Ireland", "Dublin"),
+    ("the Netherlands", "Amsterdam"), ("Belgium", "Brussels"), ("Switzerland", "Bern"),
+    ("Austria", "Vienna"), ("Poland", "Warsaw"), ("the Czech Republic", "Prague"),
+    ("Hungary", "Budapest"), ("Greece", "Athens"), ("Sweden", "Stockholm"), ("Norway", "Oslo"),
+    ("Denmark", "Copenhagen"), ("Finland", "Helsinki"), ("Iceland", "Reykjavik"),
+    ("Russia", "Moscow"), ("Ukraine", "Kyiv"), ("Turkey", "Ankara"), ("Egypt", "Cairo"),
+    ("Kenya", "Nairobi"), ("Nigeria", "Abuja"), ("Morocco", "Rabat"), ("Ethiopia", "Addis Ababa"),
+    ("Ghana", "Accra"), ("China", "Beijing"), ("Japan", "Tokyo"), ("South Korea", "Seoul"),
+    ("India", "New Delhi"), ("Pakistan", "Islamabad"), ("Thailand", "Bangkok"),
+    ("Vietnam", "Hanoi"), ("Indonesia", "Jakarta"), ("the Philippines", "Manila"),
+    ("Australia", "Canberra"), ("New Zealand", "Wellington"), ("Canada", "Ottawa"),
+    ("the United States", "Washington, D.C."), ("Mexico", "Mexico City"), ("Brazil", "Brasilia"),
+    ("Argentina", "Buenos Aires"), ("Chile", "Santiago"), ("Peru", "Lima"), ("Colombia", "Bogota"),
+    ("Cuba", "Havana"), ("Iran", "Tehran"),
+]
+
+# Places the model should NOT pretend to know.
+UNKNOWN_PLACES = [
+    "Atlantis", "Narnia", "Wakanda", "Mordor", "Gondor", "Oz", "Utopia", "Lilliput", "Freedonia",
+    "Elbonia", "Genovia", "Latveria", "Zubrowka", "Florin", "Ruritania", "the Moon", "Mars",
+]
+
+WORDS = """
+apple table garden planet orange window bottle yellow purple silver summer winter spring autumn
+river forest mountain ocean island desert valley meadow flower garden candle pencil paper letter
+number music guitar piano violin dance story poem book page chapter school teacher student class
+lesson friend family mother father sister brother child baby person people woman man king queen
+castle tower bridge road street city town village house home room door floor wall roof kitchen
+chair sofa lamp clock mirror picture camera phone computer screen mouse keyboard cable button
+water coffee tea milk juice bread butter cheese cookie cake honey sugar salt pepper lemon banana
+cherry grape melon peach tomato potato carrot onion garlic rice pasta pizza soup salad dinner
+lunch breakfast morning evening night today tomorrow week month year season holiday travel
+journey ticket train plane boat ship car truck bicycle engine wheel horse tiger lion zebra monkey
+rabbit turtle dragon eagle parrot spider insect fish shark whale dolphin snake frog duck goose
+chicken cow sheep goat pig dog cat kitten puppy animal nature cloud rain storm thunder snow ice
+fire stone rock sand metal gold iron wood glass plastic cotton wool silk paint color green blue
+black white brown pink happy sad angry calm brave clever gentle quick slow strong simple strange
+quiet loud bright dark warm cold soft hard heavy light small large little big tiny giant short
+long early late young old new modern ancient famous secret magic wonder dream idea question answer
+problem reason method system energy power signal market money price value office worker doctor
+nurse farmer pilot artist writer singer player winner hunter driver captain soldier police
+kingdom empire nation country border center circle square triangle corner line point shape size
+weight height length speed sound voice word name language science history nature planet rocket
+galaxy comet star moon earth sun sky wind weather field farm plant seed tree leaf root branch
+jacket shirt dress shoes hat glove pocket basket blanket pillow carpet button ribbon
+""".split()
+WORDS = list(dict.fromkeys(WORDS))  # drop repeats, keep the order
+
+# Fixed held-out sets: chosen with a constant seed so every --seed holds out the same items.
+HOLDOUT_SEED = 12345
+N_HELDOUT_PAIRS = 300
+N_HELDOUT_WORDS = 40
+
+
+def heldout_sets():
+    """Operand pairs and words never used as a fresh question in training."""
+    rng = random.Random(HOLDOUT_SEED)
+    all_pairs = [(a, b) for a in range(100) for b in range(100)]
+    pairs = set(rng.sample(all_pairs, N_HELDOUT_PAIRS))
+    words = set(rng.sample(sorted(WORDS), N_HELDOUT_WORDS))
+    return pairs, words
+
+
+HELDOUT_PAIRS, HELDOUT_WORDS = heldout_sets()
+TRAIN_WORDS = [w for w in WORDS if w not in HELDOUT_WORDS]
+
+# ----------------------------------------------------------------------------------------------
+# Phrasings. Training uses every template; eval_demo_model.py also tries the EVAL_ ones.
+# ----------------------------------------------------------------------------------------------
+
+ADD_Q = ["What is {a} + {b}?", "What is {a} plus {b}?", "Calculate {a} + {b}.", "What's {a} + {b}?",
+         "Compute {a} + {b}.", "{a} + {b} = ?", "Add {a} and {b}.", "What is the sum of {a} and {b}?",
+         "How much is {a} + {b}?", "{a} + {b}", "Calculate {a} plus {b}.", "What is {a}+{b}?"]
+SUB_Q = ["What is {a} - {b}?", "What is {a} minus {b}?", "Calculate {a} - {b}.", "What's {a} - {b}?",
+         "Compute {a} - {b}.", "{a} - {b} = ?", "Subtract {b} from {a}.", "How much is {a} - {b}?",
+         "{a} - {b}", "Calculate {a} minus {b}.", "What is {a}-{b}?"]
+MUL_Q = ["What is {a} times {b}?", "What is {a} * {b}?", "Calculate {a} * {b}.", "What's {a} times {b}?",
+         "Compute {a} * {b}.", "{a} * {b} = ?", "Multiply {a} by {b}.", "What is {a} multiplied by {b}?",
+         "What is {a} x {b}?", "How much is {a} times {b}?", "What is the product of {a} and {b}?",
+         "Calculate {a} times {b}.", "{a} * {b}", "What is {a}*{b}?"]
+# Follow-ups on the previous numeric answer ("that").
+PLUS_F = ["And what is that plus {n}?", "What is that plus {n}?", "Now add {n}.", "Add {n} to that.",
+          "And plus {n}?", "What if you add {n}?"]
+MINUS_F = ["And what is that minus {n}?", "What is that minus {n}?", "Now subtract {n}.",
+           "Subtract {n} from that.", "And minus {n}?"]
+TIMES_F = ["And what is that times {n}?", "What is that times {n}?", "Now multiply it by {n}.",
+           "Multiply that by {n}."]
+
+CAP_Q = ["What is the capital of {c}?", "What's the capital of {c}?", "Which city is the capital of {c}?",
+         "Name the capital of {c}.", "{C}'s capital is which city?", "What is the capital city of {c}?",
+         "Capital of {c}?", "What city is the capital of {c}?", "Tell me the capital of {c}."]
+EVAL_CAP_Q = ["Do you know the capital of {c}?", "Which city is {c}'s capital?"]
+CAP_F = ["What about {c}?", "And {c}?", "And what about {c}?", "How about {c}?", "And the capital of {c}?"]
+
+REV_Q = ["Spell the word {w} backwards.", "Reverse the word {w}.", "Spell {w} backwards.",
+         "What is {w} spelled backwards?", "Write {w} backwards.", "How do you spell {w} backwards?",
+         "Can you reverse the word {w}?", "Reverse {w}.", "Write the word {w} in reverse."]
+EVAL_REV_Q = ["Please spell {w} backwards."]
+SPELL_Q = ["Spell the word {w}.", "How do you spell {w}?", "Spell {w}."]
+COUNT_Q = ["How many letters are in the word {w}?", "How many letters does {w} have?",
+           "Count the letters in {w}.", "How long is the word {w}?", "How many letters are in {w}?",
+           "What is the number of letters in the word {w}?", "How many letters does the word {w} have?"]
+EVAL_COUNT_Q = ["Count the letters of the word {w}."]
+REV_F = ["Spell it backwards.", "Now spell it backwards.", "And backwards?", "Reverse it.",
+         "Can you reverse it?"]
+COUNT_F = ["How many letters does it have?", "How many letters is that?", "And how many letters?",
+           "Count its letters."]
+WORD_F = ["What about {w}?", "And {w}?", "Now {w}.", "How about {w}?"]
+
+SYSTEM_PROMPTS = ["You are the pagedchat demo model.", "You are a helpful assistant.",
+                  "You are a helpful assistant. Answer briefly.", "Be concise.",
+                  "You are a tiny chat model that runs on a CPU.", "Answer the user's questions."]
+
+IDENTITY = ("I am the pagedchat demo model, a tiny language model trained from scratch to run offline. "
+            "I can do arithmetic with numbers up to 99, spell words backwards, count letters and name "
+            "the capitals of 50 countries.")
+SMALL_TALK = [
+    (["Hello!", "Hi!", "Hi there.", "Hey.", "Hello.", "Good morning!", "Good evening.", "Hey there!"],
+     "Hello! I am the pagedchat demo model. Ask me some arithmetic, a word to spell backwards, "
+     "a word to count or a capital."),
+    (["Who are you?", "What are you?", "Tell me about yourself.", "What is your name?",
+      "Introduce yourself.", "Are you a robot?"], IDENTITY),
+    (["What can you do?", "How can you help me?", "What are you good at?", "Help"],
+     "I can do arithmetic with numbers up to 99, spell words backwards, count the letters of a word "
+     "and name the capitals of 50 countries."),
+    (["How are you?", "How are you doing?", "How is it going?"],
+     "I am fine, thank you! What would you like to know?"),
+    (["Thank you!", "Thanks.", "Thanks a lot!", "Great, thank you."], "You are welcome!"),
+    (["Bye!", "Goodbye.", "See you later."], "Goodbye!"),
+]
+OUT_OF_SCOPE = [
+    "What is the weather today?", "Write a poem about the sea.", "Who won the world cup?",
+    "What is the meaning of life?", "Tell me a joke.", "Who is the president?", "What time is it?",
+    "Translate hello into French.", "What is the square root of 2?", "Who wrote Hamlet?",
+    "How far away is the moon?", "What should I cook tonight?", "Write some Python code.",
+    "What is quantum physics?", "Can you book a flight for me?", "What is the population of China?",
+    "How old is the universe?", "What is your favorite color?", "Recommend a good movie.",
+    "Why is the sky blue?", "What year is it?", "Explain gravity.", "Who invented the telephone?",
+    "What is the best programming language?", "How do I fix my car?",
+]
+DONT_KNOW = ("I'm sorry, I don't know that. I am a tiny demo model: I can only do arithmetic, spell words "
+             "backwards, count letters and name capitals.")
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+
+# ----------------------------------------------------------------------------------------------
+# Answers. Worked steps make the arithmetic and the letter tasks learnable for a tiny model.
+# ----------------------------------------------------------------------------------------------
+
+
+def _split_add(a: int, b: int) -> str:
+    """'10 + 30 + 7 + 4 = 40 + 11 = 51': tens and units are one-digit facts; joining them only
+    adds a possible carry of one to the tens. (a, b >= 0.)"""
+    p, q, r, s = a // 10, a % 10, b // 10, b % 10
+    tens, units = 10 * (p + r), q + s
+    return f"{10 * p} + {10 * r} + {q} + {s} = {tens} + {units} = {a + b}"
+
+
+def _split_sub(a: int, b: int) -> str:
+    """'60 - 10 + 4 - 9 = 50 - 5 = 45' for a >= b: a negative units part borrows one ten."""
+    p, q, r, s = a // 10, a % 10, b // 10, b % 10
+    tens, units = 10 * (p - r), q - s
+    join = f"{tens} + {units}" if units >= 0 else f"{tens} - {-units}"
+    return f"{10 * p} - {10 * r} + {q} - {s} = {join} = {a - b}"
+
+
+def add_answer(a: int, b: int) -> str:
+    if a < 10 and b < 10:
+        return f"{a} + {b} = {a + b}."
+    return f"{a} + {b} = {_split_add(a, b)}."
+
+
+def sub_answer(a: int, b: int) -> str:
+    if a >= b:
+        return f"{a} - {b} = {a - b}." if a < 10 else f"{a} - {b} = {_split_sub(a, b)}."
+    # Negative result: subtract the other way round and flip the sign.
+    inner = f"{b - a}" if b < 10 else f"{_split_sub(b, a)}"
+    return f"{a} - {b} = -({b} - {a}), {b} - {a} = {inner}, so {a} - {b} = {a - b}."
+
+
+def _times_digit(a: int, d: int) -> str:
+    """'45 * 7 = 280 + 35 = 315': tens digit times d (with a 0) plus units digit times d."""
+    return f"{a} * {d} = {a // 10 * d * 10} + {a % 10 * d} = {a * d}"
+
+
+def mul_answer(a: int, b: int) -> str:
+    """One-digit factors are a memorised table; larger ones are worked out in short steps."""
+    if a < 10 and b < 10:
+        return f"{a} * {b} = {a * b}."
+    if b < 10:
+        return f"{_times_digit(a, b)}."
+    if a < 10:  # put the one-digit factor second
+        return f"{a} * {b} = {b} * {a}, {_times_digit(b, a)}."
+    tens, units = b // 10, b % 10
+    return (f"{a} * {b} = {a} * {tens * 10} + {a} * {units}. {_times_digit(a, tens)}, so {a} * {tens * 10} = "
+            f"{a * tens * 10}. {_times_digit(a, units)}. {a * tens * 10} + {a * units} = {a * b}.")
+
+
+def letter_list(word: str, backwards: bool = False) -> str:
+    """'1 g, 2 a, 3 r': the index makes counting trivial and lets reversal look letters up by index."""
+    items = [f"{i + 1} {ch}" for i, ch in enumerate(word)]
+    return ", ".join(reversed(items) if backwards else items)
+
+
+# The answers do not repeat the word itself: a tiny model copies the BPE pieces of a word it never
+# saw badly, while spelling it letter by letter generalises.
+def count_answer(w: str) -> str:
+    return f"The letters are {letter_list(w)}. So the word has {len(w)} letters."
+
+
+def spell_answer(w: str) -> str:
+    return f"The letters are {letter_list(w)}. So it is spelled {'-'.join(w)}."
+
+
+# The reversed word is emitted one character per token (see Tokenized.encode_answer), so it is
+# written with a marker here that the encoder replaces.
+REV_MARK = "\x00"
+
+
+def rev_answer(w: str) -> str:
+    return (f"The letters are {letter_list(w)}. Backwards they are {letter_list(w, True)}. "
+            f"So the word backwards is {REV_MARK}{w[::-1]}{REV_MARK}.")
+
+
+def capital_answer(country: str, capital: str) -> str:
+    return f"The capital of {country} is {capital}."
+
+
+def first_upper(s: str) -> str:
+    return s[0].upper() + s[1:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversation generator
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Turn:
+    user: str
+    answer: str
+
+
+@dataclass
+class Conversation:
+    system: str | None
+    turns: list = field(default_factory=list)
+    family: str = ""  # family of the first turn, for reporting
+
+
+@dataclass
+class State:
+    """What a follow-up may refer to."""
+    number: int | None = None
+    word: str | None = None
+    country: bool = False
+
+
+def style(rng: random.Random, text: str) -> str:
+    """Small surface noise so users who type lower case or skip the question mark are understood."""
+    r = rng.random()
+    if r < 0.08:
+        return text.lower()
+    if r < 0.12 and text[-1] in "?.":
+        return text[:-1]
+    return text
+
+
+CONSONANTS, VOWELS = "bcdfghjklmnprstvwz", "aeiou"
+
+
+def pseudo_word(rng: random.Random) -> str:
+    """A pronounceable made-up word: with only ~260 real words the model memorises them instead
+    of learning to spell; random ones force it to read letters off any word's pieces."""
+    n = rng.randint(3, 9)
+    vowel_first = rng.random() < 0.3
+    return "".join(rng.choice(VOWELS if (i % 2 == 0) == vowel_first else CONSONANTS) for i in range(n))
+
+
+def train_word(rng: random.Random) -> str:
+    """Half real training words, half made-up ones (never a held-out word)."""
+    if rng.random() < 0.5:
+        return rng.choice(TRAIN_WORDS)
+    while True:
+        w = pseudo_word(rng)
+        if w not in HELDOUT_WORDS:
+            return w
+
+
+def pick_operands(rng: random.Random, heldout: bool) -> tuple[int, int]:
+    """Uniform 0..99 mostly, with extra small numbers; held-out pairs only when asked for."""
+    while True:
+        if rng.random() < 0.25:
+            a, b = rng.randint(0, 12), rng.randint(0, 99)
+            if rng.random() < 0.5:
+                a, b = b, a
+        else:
+            a, b = rng.randint(0, 99), rng.randint(0, 99)
+        if ((a, b) in HELDOUT_PAIRS) == heldout:
+            return a, b
+
+
+def arith_turn(rng, op, a, b, templates=None) -> Turn:
+    table = {"add": (ADD_Q, add_answer), "sub": (SUB_Q, sub_answer), "mul": (MUL_Q, mul_answer)}
+    qs, ans = table[op]
+    q = rng.choice(templates or qs).format(a=a, b=b)
+    return Turn(q, ans(a, b))
+
+
+def result_of(op, a, b):
+    return {"add": a + b, "sub": a - b, "mul": a * b}[op]
+
+
+def fresh_turn(rng, family, st: State, heldout=False) -> Turn:
+    """A question that needs no history. Updates `st` so a follow-up can refer to it."""
+    st.number = st.word = None
+    st.country = False
+    if family in ("add", "sub", "mul"):
+        a, b = pick_operands(rng, heldout)
+        if family == "mul" and rng.random() < 0.3:
+            b = rng.randint(0, 9)  # the one-digit table is the base of every worked product
+            if (a, b) in HELDOUT_PAIRS and not heldout:
+                b = (b + 1) % 10 if (a, (b + 1) % 10) not in HELDOUT_PAIRS else b
+        st.number = result_of(family, a, b)
+        return arith_turn(rng, family, a, b)
+    if family == "capital":
+        country, capital = rng.choice(CAPITALS)
+        st.country = True
+        return capital_question(rng, country, capital, CAP_Q)
+    if family in ("rev", "count", "spell"):
+        w = rng.choice(sorted(HELDOUT_WORDS)) if heldout else train_word(rng)
+        st.word = w
+        qs = {"rev": REV_Q, "count": COUNT_Q, "spell": SPELL_Q}[family]
+        ans = {"rev": rev_answer, "count": count_answer, "spell": spell_answer}[family]
+        return Turn(rng.choice(qs).format(w=w), ans(w))
+    if family == "unknown_capital":
+        place = rng.choice(UNKNOWN_PLACES)
+        q = rng.choice(CAP_Q).format(c=place, C=first_upper(place))
+        return Turn(q, f"I'm sorry, I don't know the capital of {place}.")
+    if family == "smalltalk":
+        qs, answer = rng.choice(SMALL_TALK)
+        return Turn(rng.choice(qs), answer)
+    if family == "oos":
+        return Turn(rng.choice(OUT_OF_SCOPE), DONT_KNOW)
+    raise ValueError(family)
+
+
+def capital_question(rng, country, capital, templates) -> Turn:
+    # Users may drop the article: "capital of United Kingdom".
+    asked = country[4:] if country.startswith("the ") and rng.random() < 0.3 else country
+    q = rng.choice(templates).format(c=asked, C=first_upper(asked))
+    return Turn(q, capital_answer(country, capital))
+
+
+def follow_up(rng, st: State, last_family: str) -> Turn | None:
+    """A question that only makes sense with the previous turn; None if nothing to refer to."""
+    if st.number is not None and 0 <= st.number <= 99:
+        x = st.number
+        r = rng.random()
+        if r < 0.45:
+            n = rng.randint(1, 99)
+            st.number = x + n
+            return Turn(rng.choice(PLUS_F).format(n=n), add_answer(x, n))
+        if r < 0.8:
+            n = rng.randint(1, 99)
+            st.number = x - n
+            return Turn(rng.choice(MINUS_F).format(n=n), sub_answer(x, n))
+        if True:
+            n = rng.randint(2, 9)
+            st.number = x * n
+            return Turn(rng.choice(TIMES_F).format(n=n), mul_answer(x, n))
+        return None
+    if st.country:
+        country, capital = rng.choice(CAPITALS)
+        return capital_question(rng, country, capital, CAP_F)
+    if st.word is not None:
+        w = st.word
+        if rng.random() < 0.5:
+            # Same word, other task.
+            if last_family == "rev":
+                return Turn(rng.choice(COUNT_F), count_answer(w))
+            return Turn(rng.choice(REV_F), rev_answer(w))
+        # Same task, new word.
+        w2 = train_word(rng)
+        st.word = w2
+        ans = {"rev": rev_answer, "count": count_answer, "spell": spell_answer}[last_family]
+        return Turn(rng.choice(WORD_F).format(w=w2), ans(w2))
+    return None
+
+
+FAMILY_WEIGHTS = {"add": 0.17, "sub": 0.17, "mul": 0.26, "capital": 0.07, "rev": 0.14, "count": 0.09,
+                  "spell": 0.02, "smalltalk": 0.04, "oos": 0.02, "unknown_capital": 0.02}
+
+
+def make_conversation(rng: random.Random) -> Conversation:
+    system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.2 else None
+    n_turns = rng.choices([1, 2, 3, 4], weights=[0.45, 0.3, 0.15, 0.1])[0]
+    fams, weights = zip(*FAMILY_WEIGHTS.items())
+    conv = Conversation(system)
+    st, last = State(), None
+    for i in range(n_turns):
+        turn = None
+        if i > 0 and rng.random() < 0.6:
+            turn = follow_up(rng, st, last)
+        if turn is None:
+            last = rng.choices(fams, weights=weights)[0]
+            turn = fresh_turn(rng, last, st)
+        if i == 0:
+            conv.family = last
+        conv.turns.append(Turn(style(rng, turn.user), turn.answer))
+    return conv
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def tokenizer_corpus() -> list[str]:
+    """Text for BPE merges: the phrasings and fixed answers, NOT the spelling word list.
+
+    Learning merges only from template text keeps the spelling words split into short, shared
+    pieces, so the model can learn each piece's letters and still spell held-out words.
+    """
+    lines = []
+    rng = random.Random(0)
+    for table in (ADD_Q, SUB_Q, MUL_Q, PLUS_F, MINUS_F, TIMES_F, REV_Q, SPELL_Q, COUNT_Q, REV_F,
+                  COUNT_F, WORD_F, EVAL_REV_Q, EVAL_COUNT_Q):
+        for t in table:
+            for _ in range(20):
+                lines.append(t.format(a=rng.randint(0, 99), b=rng.randint(0, 99), n=rng.randint(0, 99),
+                                      w="", c="", C=""))
+    for country, capital in CAPITALS:
+        for t in CAP_Q + CAP_F:
+            lines.append(t.format(c=country, C=first_upper(country)))
+        lines.append(capital_answer(country, capital))
+    for qs, answer in SMALL_TALK:
+        lines += qs * 5 + [answer] * 20
+    lines += OUT_OF_SCOPE * 3 + [DONT_KNOW] * 20 + SYSTEM_PROMPTS * 10
+    lines += ["The letters are 1, 2, 3, 4, 5. So the word has 5 letters. Backwards they are. "
+              "So the word backwards is. So it is spelled."] * 50
+    lines += [f"user\nassistant\nsystem\n{i}" for i in range(10)] * 20
+    # Every " x" letter token must exist: the letter lists are made of them.
+    lines += [", ".join(f"{i} {ch}" for i, ch in enumerate("abcdefghijklmnopqrstuvwxyz"))] * 100
+    return lines
+
+
+def train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    # Digits first: every digit becomes its own token, so numbers are sequences of digits.
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(tokenizer_corpus(), trainer)
+    return tok
+
+
+class Tokenized:
+    """Turns conversations into (ids, loss mask) exactly as the chat template would render them."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.im_start = tok.token_to_id(IM_START)
+        self.im_end = tok.token_to_id(IM_END)
+        self.nl = self.enc("\n")
+        self.cache: dict[str, list[int]] = {}
+
+    def enc(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def header(self, role: str) -> list[int]:
+        if role not in self.cache:
+            self.cache[role] = [self.im_start] + self.enc(role + "\n")
+        return self.cache[role]
+
+    def encode_answer(self, text: str) -> list[int]:
+        """Canonical BPE, except the span between REV_MARKs: one token per character.
+
+        Writing a reversed word as single letters is what the model can do reliably: it just
+        copies the letters it listed. The decoded text is identical to the canonical one.
+        """
+        if REV_MARK not in text:
+            return self.enc(text)
+        before, word, after = text.split(REV_MARK)
+        chars = [self.enc(" " + word[0])] if before.endswith(" ") else [self.enc(word[0])]
+        if before.endswith(" "):
+            before = before[:-1]
+        ids = self.enc(before)
+        if len(chars[0]) != 1:  # no single " x" token: space and letter separately
+            chars[0] = self.enc(" ") + self.enc(word[0])
+        for ch in word[1:]:
+            chars.append(self.enc(ch))
+        for c in chars:
+            ids += c
+        return ids + self.enc(after)
+
+    def conversation(self, conv: Conversation) -> tuple[list[int], list[int]]:
+        ids, mask = [], []
+
+        def add(part, learn):
+            ids.extend(part)
+            mask.extend([int(learn)] * len(part))
+
+        if conv.system is not None:
+            add(self.header("system") + self.enc(conv.system) + [self.im_end] + self.nl, False)
+        for t in conv.turns:
+            add(self.header("user") + self.enc(t.user) + [self.im_end] + self.nl + self.header("assistant"), False)
+            # The answer and its <|im_end|> are the targets; the "\n" after it belongs to the template.
+            add(self.encode_answer(t.answer) + [self.im_end], True)
+            add(self.nl, False)
+        return ids, mask
+
+
+def plain(answer: str) -> str:
+    return answer.replace(REV_MARK, "")
+
+
+def messages_of(conv: Conversation, upto: int | None = None) -> list[dict]:
+    """Chat messages for transformers' apply_chat_template, ending with the user turn `upto`."""
+    msgs = [{"role": "system", "content": conv.system}] if conv.system else []
+    turns = conv.turns if upto is None else conv.turns[: upto + 1]
+    for i, t in enumerate(turns):
+        msgs.append({"role": "user", "content": t.user})
+        if upto is None or i < upto:
+            msgs.append({"role": "assistant", "content": plain(t.answer)})
+    return msgs
+
+
+# ----------------------------------------------------------------------------------------------
+# Held-out evaluation set (shared with eval_demo_model.py)
+# ----------------------------------------------------------------------------------------------
+
+# Phrasings the outside check uses, asked on held-out operand pairs.
+EVAL_ARITH = [("add", "What is {a} + {b}?"), ("add", "Calculate {a} + {b}."), ("sub", "What is {a} - {b}?"),
+              ("mul", "What is {a} times {b}?"), ("mul", "What is {a} * {b}?")]
+
+
+def eval_set(per_family: int = 40, seed: int = 777) -> list[tuple[str, Conversation]]:
+    """(family, conversation) pairs; the last turn of each conversation is the one being judged."""
+    rng = random.Random(seed)
+    pairs = sorted(HELDOUT_PAIRS)
+    words = sorted(HELDOUT_WORDS)
+    out = []
+    for op, tmpl in EVAL_ARITH:
+        for a, b in rng.sample(pairs, per_family):
+            out.append((op, Conversation(None, [arith_turn(rng, op, a, b, [tmpl])])))
+    for i in range(per_family):
+        country, capital = CAPITALS[i % len(CAPITALS)]
+        tmpl = CAP_Q[0] if i % 2 == 0 else rng.choice(EVAL_CAP_Q)
+        out.append(("capital", Conversation(None, [capital_question(rng, country, capital, [tmpl])])))
+    for i in range(per_family):
+        w = words[i % len(words)]
+        tmpl = rng.choice([REV_Q[0], REV_Q[1]] + EVAL_REV_Q)
+        out.append(("rev", Conversation(None, [Turn(tmpl.format(w=w), rev_answer(w))])))
+        tmpl = rng.choice([COUNT_Q[0]] + EVAL_COUNT_Q)
+        out.append(("count", Conversation(None, [Turn(tmpl.format(w=w), count_answer(w))])))
+    for i in range(per_family // 2):
+        qs, answer = SMALL_TALK[i % len(SMALL_TALK)]
+        out.append(("smalltalk", Conversation(None, [Turn(qs[i % len(qs)], answer)])))
+    # Follow-ups: the answer needs the first turn.
+    # Numeric follow-ups continue from results in 0..99, as in training.
+    small = [(a, b) for a, b in pairs if 0 <= a - b and a + b <= 99]
+    for i in range(per_family):
+        a, b = rng.choice(small)
+        op = ["add", "sub"][i % 2]
+        first = arith_turn(rng, op, a, b, [EVAL_ARITH[0][1] if op == "add" else EVAL_ARITH[2][1]])
+        x, n = result_of(op, a, b), rng.randint(1, 20)
+        second = Turn(f"And what is that plus {n}?", add_answer(x, n))
+        out.append(("followup", Conversation(None, [first, second])))
+    for i in range(per_family // 2):
+        (c1, k1), (c2, k2) = rng.sample(CAPITALS, 2)
+        conv = Conversation(rng.choice([None, SYSTEM_PROMPTS[0]]),
+                            [capital_question(rng, c1, k1, [CAP_Q[0]]),
+                             capital_question(rng, c2, k2, ["What about {c}?"])])
+        out.append(("followup", conv))
+        w = words[(i * 7) % len(words)]
+        conv = Conversation(None, [Turn(COUNT_Q[0].format(w=w), count_answer(w)),
+                                   Turn("Spell it backwards.", rev_answer(w))])
+        out.append(("followup", conv))
+    return out
+
+
+def expected_key(family: str, conv: Conversation) -> str:
+    """The string a correct answer must contain (the judge in eval_demo_model.py)."""
+    return plain(conv.turns[-1].answer)
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+
+def pack(examples, seq_len: int, pad_id: int):
+    """Greedy packing of whole conversations into rows of seq_len (deterministic, in order)."""
+    import torch
+
+    rows, masks = [], []
+    cur, cur_m = [], []
+    for ids, m in examples:
+        if len(ids) > seq_len:
+            continue
+        if len(cur) + len(ids) > seq_len:
+            rows.append(cur + [pad_id] * (seq_len - len(cur)))
+            masks.append(cur_m + [0] * (seq_len - len(cur_m)))
+            cur, cur_m = [], []
+        cur += ids
+        cur_m += m
+    if cur:
+        rows.append(cur + [pad_id] * (seq_len - len(cur)))
+        masks.append(cur_m + [0] * (seq_len - len(cur_m)))
+    return torch.tensor(rows, dtype=torch.long), torch.tensor(masks, dtype=torch.bool)
+
+
+def build_model(vocab_size, args, tokd: Tokenized, pad_id):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=tokd.im_end, pad_token_id=pad_id, initializer_range=0.02,
+        attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
+
+
+def masked_loss(model, x, m):
+    """Next-token loss on the assistant tokens only; returns (loss, n_correct, n_targets)."""
+    import torch
+    import torch.nn.functional as F
+
+    logits = model(input_ids=x).logits[:, :-1]
+    targets = x[:, 1:].masked_fill(~m[:, 1:], -100)  # -100: no loss on prompt and padding
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-100)
+    with torch.no_grad():
+        sel = targets != -100
+        correct = (logits.argmax(-1)[sel] == targets[sel]).sum().item()
+        targets = targets[sel]
+    return loss, correct, targets.numel()
+
+
+def last_answer_only(mask: list[int]) -> list[int]:
+    """Keep only the final run of target tokens (the last assistant answer)."""
+    end = max(i for i, v in enumerate(mask) if v)
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    return [0] * start + mask[start:]
+
+
+def teacher_forced_accuracy(model, tokd, evals):
+    """Fraction of held-out answers whose every token is the argmax: equals greedy exact match."""
+    import torch
+
+    model.eval()
+    hits: dict[str, list[int]] = {}
+    with torch.no_grad():
+        for fam, conv in evals:
+            ids, m = tokd.conversation(conv)
+            # Judge only the last answer; earlier answers are history.
+            m = last_answer_only(m)
+            x = torch.tensor([ids])
+            mask = torch.tensor([m], dtype=torch.bool)[:, 1:]
+            logits = model(input_ids=x).logits[:, :-1]
+            ok = bool((logits.argmax(-1) == x[:, 1:])[mask].all())
+            hits.setdefault(fam, []).append(int(ok))
+    model.train()
+    return {f: sum(v) / len(v) for f, v in hits.items()}
+
+
+def lr_at(step, total, peak, warmup):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    p = (step - warmup) / max(1, total - warmup)
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
+
+
+def save(model, tok, tokd, out: Path, pad_id):
+    import torch
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.to(torch.float16)
+    model.config.dtype = torch.float16
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tokd.im_end, pad_id], pad_token_id=pad_id, do_sample=False, max_new_tokens=128)
+    model.save_pretrained(out, safe_serialization=True)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, bos_token=None, unk_token=None,
+        additional_special_tokens=[IM_START, IM_END], chat_template=CHAT_TEMPLATE,
+        model_max_length=1024, clean_up_tokenization_spaces=False)
+    hf_tok.save_pretrained(out)
+    # Keep the template inside tokenizer_config.json too, for loaders that only read that file.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg["add_bos_token"] = False
+    cfg["add_eos_token"] = False
+    # Class and key names older transformers (4.x) understand too.
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg.pop("extra_special_tokens", None)
+    cfg["additional_special_tokens"] = [IM_START, IM_END]
+    cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
+    stm = {"eos_token": IM_END, "pad_token": PAD, "additional_special_tokens": [IM_START, IM_END]}
+    (out / "special_tokens_map.json").write_text(json.dumps(stm, indent=2) + "\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="pagedchat/assets/demo-chat")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (deterministic)")
+    p.add_argument("--minutes", type=float, default=25.0, help="time budget when --steps is not given")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=192)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--conversations", type=int, default=120_000)
+    p.add_argument("--eval-every", type=int, default=200)
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="train in plain fp32")
+    args = p.parse_args(argv)
+
+    # Passive OpenMP waits: on shared cores, spinning threads wait on descheduled peers and a
+    # 2-thread run can get 5x slower than a 1-thread one. Must be set before torch starts OpenMP.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    t0 = time.time()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    torch.set_flush_denormal(True)
+
+    tok = train_tokenizer(args.vocab)
+    tokd = Tokenized(tok)
+    pad_id = tok.token_to_id(PAD)
+    print(f"tokenizer: {tok.get_vocab_size()} tokens", flush=True)
+
+    rng = random.Random(args.seed)
+    convs = [make_conversation(rng) for _ in range(args.conversations)]
+    x_all, m_all = pack((tokd.conversation(c) for c in convs), args.seq_len, pad_id)
+    n_target = int(m_all.sum())
+    print(f"corpus: {len(convs)} conversations -> {len(x_all)} rows of {args.seq_len} "
+          f"({x_all.numel() / 1e6:.1f}M tokens, {n_target / 1e6:.1f}M assistant targets), "
+          f"built in {time.time() - t0:.0f}s", flush=True)
+    evals = eval_set(per_family=20)
+
+    model = build_model(tok.get_vocab_size(), args, tokd, pad_id)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters, hidden {args.hidden}, {args.layers} layers", flush=True)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.98), eps=1e-8)
+
+    # Deterministic data order: a seeded permutation of the packed rows, repeated if needed.
+    g = torch.Generator().manual_seed(args.seed)
+    order = torch.randperm(len(x_all), generator=g)
+    total = args.steps or 10 ** 9
+    train_start = time.time()
+    seen_tokens, log_loss, log_acc, log_n = 0, 0.0, 0, 0
+    step = 0
+    while step < total:
+        lo = (step * args.batch) % len(order)
+        idx = order[lo: lo + args.batch]
+        if len(idx) < args.batch:
+            idx = torch.cat([idx, order[: args.batch - len(idx)]])
+        x, m = x_all[idx], m_all[idx]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, total, args.lr, args.warmup)
+        # bf16 autocast roughly doubles CPU matmul speed (avx512_bf16); master weights stay fp32.
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            loss, correct, n = masked_loss(model, x, m)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        seen_tokens += x.numel()
+        log_loss += loss.item()
+        log_acc += correct
+        log_n += n
+        if step == 50 and args.steps is None:
+            # Pick the step count from the measured speed so the run fits the time budget
+            # (on shared cores the speed drifts: runs meant to be reproduced use --steps).
+            per_step = (time.time() - train_start) / 50
+            total = max(100, int((args.minutes * 60 - (time.time() - t0)) / per_step * 0.97) + 20)
+            print(f"{per_step:.2f}s/step -> {total} steps for {args.minutes} min", flush=True)
+        if step % 25 == 0 or step == total:
+            el = time.time() - train_start
+            print(f"step {step}/{total} loss {log_loss / 25:.4f} token-acc {log_acc / max(1, log_n):.3f} "
+                  f"lr {opt.param_groups[0]['lr']:.2e} {seen_tokens / el:.0f} tok/s "
+                  f"elapsed {el / 60:.1f} min", flush=True)
+            log_loss, log_acc, log_n = 0.0, 0, 0
+        if step % args.eval_every == 0 or step == total:
+            acc = teacher_forced_accuracy(model, tokd, evals)
+            print("  held-out exact match: " + " ".join(f"{k} {v:.2f}" for k, v in acc.items()), flush=True)
+
+    save(model, tok, tokd, Path(args.out), pad_id)
+    total_s = time.time() - t0
+    print(f"saved to {args.out}; {step} steps, {seen_tokens / 1e6:.1f}M tokens, total time "
+          f"{total_s / 60:.1f} min ({total_s:.0f}s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
