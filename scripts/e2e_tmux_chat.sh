@@ -52,7 +52,13 @@ STATS='prompt [0-9]+ new \+ [0-9]+ cached'
 import sys
 sys.path.insert(0, sys.argv[1])
 from hf_models import build_model
-build_model("llama", sys.argv[2])
+model = build_model("llama", sys.argv[2], max_position_embeddings=8192)
+# EOS's logit pinned at 0 among peaked random logits: replies never end by themselves, so the Ctrl-C step
+# always finds one running (and 8192 positions leave room for a long one).
+import torch
+with torch.no_grad():
+    model.lm_head.weight[model.config.eos_token_id].zero_()
+model.save_pretrained(sys.argv[2])
 EOF
 pass "built a tiny llama model in $WORK/model"
 export XDG_DATA_HOME="$WORK/data" XDG_CONFIG_HOME="$WORK/config"
@@ -100,15 +106,16 @@ wait_for 'prefix cache +[0-9.]+% hit rate'
 pass "/stats"
 
 # -- Ctrl-C during a long reply ------------------------------------------------------------------------------
-type_line "/set max_tokens 400"
-wait_for 'max_tokens = 400'
+type_line "/set max_tokens 3000"
+wait_for 'max_tokens = 3000'
 type_line "/clear"
 wait_for 'new conversation'
 type_line "tell me a long story"
-sleep 0.4
+sleep 0.3   # a few hundred tokens into a reply of thousands
 tmx send-keys -t e2e C-c
 wait_for 'interrupted: the partial reply is kept as #'
 wait_for "$STATS" 5
+
 pass "Ctrl-C stopped the reply and kept it"
 
 type_line "/exit"
