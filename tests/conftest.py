@@ -16,6 +16,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def xdg_home(tmp_path, monkeypatch):
+    """Every test gets its own config and data folders: none reads or writes the real user's."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    return tmp_path
+
+
+@pytest.fixture
+def pagedchat_cli(capsys, monkeypatch):
+    """The real `pagedchat` entry point in-process: cli(*args, stdin=None) -> (exit code, stdout, stderr)."""
+    from cli_util import invoke
+
+    return lambda *args, stdin=None: invoke(list(args), stdin, capsys, monkeypatch)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """One tiny random HF model per architecture, built once per test session."""

@@ -9,7 +9,6 @@ import shutil
 
 import pytest
 
-from cli_util import invoke
 
 
 def assert_one_line(code, err, *fragments, exit_code=2):
@@ -23,10 +22,8 @@ def assert_one_line(code, err, *fragments, exit_code=2):
 
 
 @pytest.fixture
-def cli(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    return lambda *args, stdin=None: invoke(list(args), stdin, capsys, monkeypatch)
+def cli(pagedchat_cli):
+    return pagedchat_cli
 
 
 @pytest.fixture

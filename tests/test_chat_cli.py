@@ -18,10 +18,8 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    return tmp_path
+def env(xdg_home):
+    return xdg_home
 
 
 @pytest.fixture

@@ -14,8 +14,7 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture
-def ctl(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+def ctl(model, tmp_path):
     c = make_controller(make_engine(model), model, tmp_path / "sessions", system="be brief")
     c.new_session("t")
     return c
@@ -208,8 +207,7 @@ def test_set_layers_between_cli_and_session(ctl):
     assert ctl.sampling()[0].top_k == 0
 
 
-def test_small_context_caps_replies_and_then_says_it_is_full(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+def test_small_context_caps_replies_and_then_says_it_is_full(model, tmp_path):
     c = make_controller(make_engine(model, max_model_len=96), model, tmp_path / "s", max_tokens=4000)
     c.new_session("small")
     r = c.send("hello world")

@@ -4,7 +4,6 @@ goes on serving with every block back in the pool."""
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,17 +11,16 @@ import httpx
 import pytest
 
 from hf_models import build_model
+from serve_util import serving
 
 KEY = "k"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import uvicorn
-
     from pagedchat.settings import ModelOptions, load_engine
     from pagedchat.serve import AsyncEngine, create_app
-    from pagedchat.serve.server import bind_socket, settings_for, url_of
+    from pagedchat.serve.server import settings_for
 
     path = tmp_path_factory.mktemp("serve-rel") / "llama"
     build_model("llama", path, max_position_embeddings=1024)
@@ -33,18 +31,8 @@ def server(tmp_path_factory):
                                     show_progress=False)
     assert engine.pool.num_blocks == 10
     app = create_app(AsyncEngine(engine), settings_for(entry, KEY, "tiny"))
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started
-    yield url_of(sock), engine
-    server.should_exit = True
-    thread.join(15)
-    sock.close()
+    with serving(app) as url:
+        yield url, engine
 
 
 def complete(url, **body):

@@ -24,9 +24,7 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture
-def ctl(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+def ctl(model, tmp_path):
     c = make_controller(make_engine(model), model, tmp_path / "data" / "pagedchat" / "sessions")
     c.new_session("main")
     return c

@@ -3,17 +3,13 @@
 import json
 
 import pytest
-import torch
 
-from cli_util import invoke
 from oracle import assert_greedy_equal, reference
 
 
 @pytest.fixture
-def run(capsys, monkeypatch, tmp_path):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
-    return lambda *args, stdin=None: invoke(list(args), stdin, capsys, monkeypatch)
+def run(pagedchat_cli):
+    return pagedchat_cli
 
 
 def test_raw_greedy_json_matches_transformers(run, model_dirs):

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from hf_models import build_model
+from serve_util import serving
 
 KEY = "test-key-123"
 NAME = "tiny-llama"
@@ -39,11 +40,9 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
     """(base_url, tokenizer) of a server running in a thread of this process; stopped after the module."""
-    import uvicorn
-
-    from pagedchat.commands.common import ModelOptions, load_engine
+    from pagedchat.settings import ModelOptions, load_engine
     from pagedchat.serve import AsyncEngine, create_app
-    from pagedchat.serve.server import bind_socket, settings_for, url_of
+    from pagedchat.serve.server import settings_for
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.mktemp("config")))   # no user models.toml
@@ -51,19 +50,8 @@ def server(model, tmp_path_factory):
                                                  block_size=BLOCK), show_progress=False)
     aengine = AsyncEngine(engine)
     app = create_app(aengine, settings_for(entry, KEY, NAME))
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.started, "the test server did not start"
-    yield url_of(sock), engine.tokenizer
-    server.should_exit = True
-    thread.join(15)
-    sock.close()
-    assert not thread.is_alive(), "the test server did not stop"
+    with serving(app) as url:
+        yield url, engine.tokenizer
 
 
 @pytest.fixture

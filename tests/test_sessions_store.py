@@ -20,8 +20,7 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture
-def ctl(model, tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+def ctl(model, tmp_path):
     c = make_controller(make_engine(model), model, tmp_path / "data" / "sessions", system="be brief")
     c.new_session("s")
     return c
