@@ -234,7 +234,26 @@ def mul_answer(a: int, b: int) -> str:
         return f"{a} * {b} = {b} * {a}, {_times_digit(b, a)}."
     tens, units = b // 10, b % 10
     return (f"{a} * {b} = {a} * {tens * 10} + {a} * {units}. {_times_digit(a, tens)}, so {a} * {tens * 10} = "
-            f"{a * tens * 10}. {_times_digit(a, units)}. {a * tens * 10} + {a * units} = {a * b}.")
+            f"{a * tens * 10}. {_times_digit(a, units)}. {_add_products(a * tens * 10, a * units)}.")
+
+
+def _add_products(x: int, y: int) -> str:
+    """'3780 + 252 = 3700 + 200 + 80 + 50 + 2 = 3900 + 132 = 4032' (x is a multiple of 10).
+
+    Summing the two partial products in one go was the step a tiny model got wrong; split into
+    hundreds, tens and units, each part is a one- or two-digit fact and the join adds at most one
+    hundred. Zero parts are left out.
+    """
+    assert x % 10 == 0 and 0 <= y < 1000, (x, y)
+    if y == 0:
+        return f"{x} + 0 = {x}"
+    parts = [100 * (x // 100), 100 * (y // 100), x % 100, 10 * (y // 10 % 10), y % 10]
+    hundreds, rest = parts[0] + parts[1], parts[2] + parts[3] + parts[4]
+    split = " + ".join(str(v) for v in parts if v) or "0"
+    joined = " + ".join(str(v) for v in (hundreds, rest) if v) or "0"
+    if joined == split:
+        return f"{x} + {y} = {split} = {x + y}"
+    return f"{x} + {y} = {split} = {joined} = {x + y}"
 
 
 def letter_list(word: str, backwards: bool = False) -> str:
@@ -311,20 +330,90 @@ CONSONANTS, VOWELS = "bcdfghjklmnprstvwz", "aeiou"
 
 
 def pseudo_word(rng: random.Random) -> str:
-    """A pronounceable made-up word: with only ~260 real words the model memorises them instead
-    of learning to spell; random ones force it to read letters off any word's pieces."""
+    """A pronounceable made-up consonant-vowel word."""
     n = rng.randint(3, 9)
     vowel_first = rng.random() < 0.3
     return "".join(rng.choice(VOWELS if (i % 2 == 0) == vowel_first else CONSONANTS) for i in range(n))
 
 
+def splice_word(rng: random.Random) -> str:
+    """Pieces of 2-4 letters cut from training words and joined: real-word letter groups ('our',
+    'ng', 'tch') in new combinations, so their BPE tokens get spelled in many contexts."""
+    out = ""
+    for _ in range(rng.randint(2, 3)):
+        w = rng.choice(TRAIN_WORDS)
+        n = min(len(w), rng.randint(2, 4))
+        i = rng.randint(0, len(w) - n)
+        out += w[i: i + n]
+    return out[:10]
+
+
+def _bigram_table() -> dict[str, list[str]]:
+    """Letter successors seen in the training words ('^' starts a word, '$' ends it)."""
+    table: dict[str, list[str]] = {}
+    for w in TRAIN_WORDS:
+        for x, y in zip("^" + w, w + "$"):
+            table.setdefault(x, []).append(y)
+    return table
+
+
+BIGRAMS = _bigram_table()
+
+
+def bigram_word(rng: random.Random) -> str:
+    """A random letter string with the letter pairs of English words (a first-order chain)."""
+    while True:
+        out, ch = "", "^"
+        while len(out) < 10:
+            ch = rng.choice(BIGRAMS[ch])
+            if ch == "$":
+                break
+            out += ch
+        if len(out) >= 3:
+            return out
+
+
+def piece_word(rng: random.Random, pieces: list[str], lead: list[str]) -> str:
+    """1-3 letter tokens of the tokenizer itself, joined: every piece a user's word can be split
+    into gets its letters trained, including whole-word tokens from the templates ('city')."""
+    out = rng.choice(lead) if rng.random() < 0.6 else ""
+    while len(out) < 3 or (len(out) < 10 and rng.random() < 0.35):
+        out += rng.choice(pieces)
+    return out[:10]
+
+
+# Set by set_word_pieces() from the trained tokenizer: (pieces, leading pieces).
+WORD_PIECES: tuple[list[str], list[str]] = ([], [])
+
+
+def set_word_pieces(tok) -> None:
+    vocab = sorted(tok.get_vocab())
+    pieces = [t for t in vocab if t.isalpha() and t.islower() and t.isascii()]
+    lead = [t[1:] for t in vocab if t.startswith("\u0120") and t[1:].isalpha() and t[1:].islower()
+            and t[1:].isascii()]
+    WORD_PIECES[0][:] = pieces
+    WORD_PIECES[1][:] = lead
+
+
+def made_up_word(rng: random.Random) -> str:
+    r = rng.random()
+    if r < 0.4 and WORD_PIECES[0]:
+        return piece_word(rng, *WORD_PIECES)
+    if r < 0.7:
+        return splice_word(rng)
+    if r < 0.9:
+        return bigram_word(rng)
+    return pseudo_word(rng)
+
+
 def train_word(rng: random.Random) -> str:
-    """Half real training words, half made-up ones (never a held-out word)."""
-    if rng.random() < 0.5:
+    """A quarter real training words, the rest made up (never a held-out word): with only ~260 real
+    words the model memorises them instead of learning to read letters off any word's pieces."""
+    if rng.random() < 0.25:
         return rng.choice(TRAIN_WORDS)
     while True:
-        w = pseudo_word(rng)
-        if w not in HELDOUT_WORDS:
+        w = made_up_word(rng)
+        if w not in HELDOUT_WORDS and len(w) >= 2:
             return w
 
 
@@ -429,8 +518,8 @@ def follow_up(rng, st: State, last_family: str) -> Turn | None:
     return None
 
 
-FAMILY_WEIGHTS = {"add": 0.17, "sub": 0.17, "mul": 0.26, "capital": 0.07, "rev": 0.14, "count": 0.09,
-                  "spell": 0.02, "smalltalk": 0.04, "oos": 0.02, "unknown_capital": 0.02}
+FAMILY_WEIGHTS = {"add": 0.14, "sub": 0.17, "mul": 0.26, "capital": 0.06, "rev": 0.17, "count": 0.11,
+                  "spell": 0.03, "smalltalk": 0.03, "oos": 0.015, "unknown_capital": 0.015}
 
 
 def make_conversation(rng: random.Random) -> Conversation:
@@ -785,6 +874,7 @@ def main(argv=None):
 
     tok = train_tokenizer(args.vocab)
     tokd = Tokenized(tok)
+    set_word_pieces(tok)
     pad_id = tok.token_to_id(PAD)
     print(f"tokenizer: {tok.get_vocab_size()} tokens", flush=True)
 
