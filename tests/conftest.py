@@ -32,6 +32,17 @@ def pagedchat_cli(capsys, monkeypatch):
     return lambda *args, stdin=None: invoke(list(args), stdin, capsys, monkeypatch)
 
 
+@pytest.fixture
+def typer_cli():
+    """pagedchat's typer app through typer's CliRunner: cli(*args, input=None) -> click Result."""
+    from typer.testing import CliRunner
+
+    from pagedchat.cli import app
+
+    runner = CliRunner()
+    return lambda *args, input=None: runner.invoke(app, [str(a) for a in args], input=input)
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """One tiny random HF model per architecture, built once per test session."""

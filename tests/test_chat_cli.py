@@ -4,11 +4,9 @@ import json
 import stat
 
 import pytest
-from typer.testing import CliRunner
 
 from chat_support import build_chat_model
 from cli_util import invoke
-from pagedchat.cli import app
 from pagedchat.errors import UserError
 
 
@@ -23,13 +21,8 @@ def env(xdg_home):
 
 
 @pytest.fixture
-def cli(env):
-    runner = CliRunner()
-
-    def call(*args, input=None):
-        return runner.invoke(app, [str(a) for a in args], input=input)
-
-    return call
+def cli(typer_cli):
+    return typer_cli
 
 
 def _session(env, name):

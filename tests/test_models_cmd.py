@@ -3,11 +3,9 @@
 import json
 
 import pytest
-from typer.testing import CliRunner
 
 from chat_support import build_chat_model
 from cli_util import invoke
-from pagedchat.cli import app
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +19,8 @@ def env(xdg_home):
 
 
 @pytest.fixture
-def cli(env):
-    runner = CliRunner()
-    return lambda *args: runner.invoke(app, [str(a) for a in args])
+def cli(typer_cli):
+    return typer_cli
 
 
 def _session(env, name):
