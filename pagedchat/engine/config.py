@@ -42,7 +42,8 @@ class EngineConfig:
     dtype: str = "auto"             # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16 | float16
     block_size: int = 16
     kv_memory: int | str | None = None  # bytes, '512MiB', or '40%' of free memory; None = kv_fraction
-    kv_fraction: float = 0.9        # of free device memory after weights and a profiled forward (CUDA)
+    kv_fraction: float | None = None  # of free memory (CUDA: after weights and a profiled forward);
+                                      # None = 0.9 on CUDA, 512MiB on CPU
     num_blocks: int | None = None   # exact pool size in blocks (tests, benchmarks); overrides kv_memory
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 256         # running sequences per step
@@ -50,11 +51,10 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
-    kv_fraction_given: float | None = None  # set when the user asked for a percentage (also on CPU)
 
     def __post_init__(self):
         if isinstance(self.kv_memory, str) and self.kv_memory.strip().endswith("%"):
-            self.kv_fraction = self.kv_fraction_given = _parse_percent(self.kv_memory)
+            self.kv_fraction = _parse_percent(self.kv_memory)
             self.kv_memory = None
         self.kv_memory = parse_size(self.kv_memory)
         if not 8 <= self.block_size <= 128 or self.block_size & (self.block_size - 1):
@@ -63,7 +63,7 @@ class EngineConfig:
             raise UserError(f"--max-context must be a positive number of tokens, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise UserError("max_num_batched_tokens and max_num_seqs must be positive")
-        if not 0 < self.kv_fraction <= 1:
+        if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
             raise UserError(f"kv fraction must be in (0, 1], got {self.kv_fraction}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise UserError(f"unknown dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")

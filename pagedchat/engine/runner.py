@@ -51,8 +51,8 @@ class ModelRunner:
         if budget is None and self.device.type == "cuda":
             budget = self._free_memory_budget(config)
         elif budget is None:
-            budget = CPU_DEFAULT_KV_BYTES if config.kv_fraction_given is None else \
-                int(_available_ram() * config.kv_fraction_given)
+            budget = CPU_DEFAULT_KV_BYTES if config.kv_fraction is None else \
+                int(_available_ram() * config.kv_fraction)
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise UserError(f"--kv-memory {budget} bytes holds no KV block: one block of {self.block_size} "
@@ -66,7 +66,8 @@ class ModelRunner:
         self._profile_forward(config.max_num_batched_tokens)
         free, total = torch.cuda.mem_get_info(self.device)
         peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        return int(total * config.kv_fraction - (total - free) - peak_activations)
+        fraction = 0.9 if config.kv_fraction is None else config.kv_fraction
+        return int(total * fraction - (total - free) - peak_activations)
 
     @torch.inference_mode()
     def _profile_forward(self, num_tokens: int) -> None:
@@ -99,7 +100,7 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
         """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token."""
         self.copy_blocks(batch.copies)
-        ids, positions, slots, meta, sample_rows, samplers = self._prepare(batch)
+        ids, positions, meta, sample_rows, samplers = self._prepare(batch)
         if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
@@ -135,7 +136,7 @@ class ModelRunner:
             is_decode=cu[-1] == len(batch.items),
             max_seq_len=max(seq_lens))
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-                meta.slot_mapping, meta, sample_rows, samplers)
+                meta, sample_rows, samplers)
 
 class DecodeGraphs:
     """CUDA graphs of the decode step for a ladder of batch sizes; a batch is padded up to the next size.

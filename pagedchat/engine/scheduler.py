@@ -77,7 +77,7 @@ class Scheduler:
             batch.preempted.append(victim)
         if batch.preempted:
             return batch
-        pending = self._blocks_computed_by(batch)
+        pending = self._blocks_computed_by(batch.items)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -102,7 +102,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.items.append((seq, n))
-            pending |= self._blocks_computed_by(ScheduledBatch(items=[(seq, n)]))
+            pending |= self._blocks_computed_by([(seq, n)])
             budget -= n
         return batch
 
@@ -158,12 +158,12 @@ class Scheduler:
                 seq.block_hashes.append(h)
             seq.num_computed = len(seq.block_table) * bs
 
-    def _blocks_computed_by(self, batch: ScheduledBatch) -> set[int]:
-        """Chain hashes of the full blocks this batch completes (they are indexed only after the step)."""
+    def _blocks_computed_by(self, items: list[tuple[Sequence, int]]) -> set[int]:
+        """Chain hashes of the full blocks these scheduled chunks complete (indexed only after the step)."""
         if not self.pool.enable_prefix_cache:
             return set()
         bs, hashes = self.block_size, set()
-        for seq, n in batch.items:
+        for seq, n in items:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             for i in range(len(seq.block_hashes), (seq.num_computed + n) // bs):
                 parent = chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
