@@ -8,6 +8,7 @@ and/or by pagedchat's engine (all prompts submitted together, so batching is exe
 prints per-family accuracy for each and whether the two produced the same tokens.
 
     python scripts/eval_demo_model.py --engine both
+    python scripts/eval_demo_model.py --engine both --words   # all held-out words x all phrasings
 """
 from __future__ import annotations
 
@@ -44,9 +45,21 @@ def judge(expected: str, got: str) -> bool:
     return got.strip() == expected.strip()
 
 
-def build_prompts(tokenizer, per_family: int):
+def word_sweep() -> list[tuple[str, "T.Conversation"]]:
+    """Every held-out word in every spelling and counting phrasing, trained and unseen (720 prompts)."""
+    out = []
+    for w in sorted(T.HELDOUT_WORDS):
+        out += [("rev", T.Conversation(None, [T.Turn(q.format(w=w), T.rev_answer(w))]))
+                for q in T.REV_Q + T.EVAL_REV_Q]
+        out += [("count", T.Conversation(None, [T.Turn(q.format(w=w), T.count_answer(w))]))
+                for q in T.COUNT_Q + T.EVAL_COUNT_Q]
+    return out
+
+
+def build_prompts(tokenizer, per_family: int, words: bool = False):
     items = []
-    for family, conv in T.eval_set(per_family=per_family):
+    T.set_word_pieces(tokenizer.backend_tokenizer)  # the answers spell the model's own pieces
+    for family, conv in word_sweep() if words else T.eval_set(per_family=per_family):
         msgs = T.messages_of(conv, upto=len(conv.turns) - 1)
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):  # some versions return a BatchEncoding
@@ -117,6 +130,8 @@ def main(argv=None):
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--show-errors", action="store_true")
+    p.add_argument("--words", action="store_true",
+                   help="instead: every held-out word in every spelling/counting phrasing")
     args = p.parse_args(argv)
 
     import torch
@@ -124,7 +139,7 @@ def main(argv=None):
 
     torch.set_num_threads(args.threads)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    items = build_prompts(tokenizer, args.per_family)
+    items = build_prompts(tokenizer, args.per_family, args.words)
     print(f"{len(items)} held-out prompts from {args.model}")
 
     outs = {}

@@ -13,7 +13,8 @@ Fixed operand pairs and words are held out of training; eval_demo_model.py asks 
 The run is deterministic for a given --steps and --seed (--minutes picks the step count from
 the measured speed, so it is not). Only torch, tokenizers and transformers are needed.
 
-    python scripts/train_demo_model.py --steps 1800 --out pagedchat/assets/demo-chat
+    python scripts/train_demo_model.py --steps 8000 --seed 0 --conversations 150000 \
+        --out pagedchat/assets/demo-chat      # the shipped model: about 22 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -262,14 +263,42 @@ def letter_list(word: str, backwards: bool = False) -> str:
     return ", ".join(reversed(items) if backwards else items)
 
 
-# The answers do not repeat the word itself: a tiny model copies the BPE pieces of a word it never
-# saw badly, while spelling it letter by letter generalises.
+# Set by set_word_pieces() from the trained tokenizer: splits " word" into its BPE pieces.
+_TOKENIZER: list = []
+
+
+def word_pieces(word: str) -> list[str]:
+    """The word's BPE pieces as the tokenizer splits it after a space ('carrot' -> car, r, ot)."""
+    tokens = _TOKENIZER[0].encode(" " + word).tokens
+    pieces = [t.replace("\u0120", "") for t in tokens]
+    assert "".join(pieces) == word, (word, tokens)
+    return pieces
+
+
+def piece_letter_list(word: str) -> str:
+    """'car: 1 c, 2 a, 3 r|r: 4 r|ot: 5 o, 6 t': each BPE piece of the word, then its letters.
+
+    Spelling a whole word from the prompt makes a tiny model keep a pointer into pieces far back,
+    which it loses at repeated letters and piece boundaries. Copying one piece (the token after the
+    previous piece: an induction step) and spelling it from right there keeps every look-up local.
+    The first piece follows a space and the others a '|', so each one tokenizes exactly as in the
+    user's word.
+    """
+    out, i = [], 0
+    for piece in word_pieces(word):
+        out.append(f"{piece}: " + ", ".join(f"{i + k + 1} {ch}" for k, ch in enumerate(piece)))
+        i += len(piece)
+    return "|".join(out)
+
+
+# The answers never repeat the word whole: a tiny model copies a word it never saw badly, while
+# spelling it piece by piece generalises.
 def count_answer(w: str) -> str:
-    return f"The letters are {letter_list(w)}. So the word has {len(w)} letters."
+    return f"The letters are {piece_letter_list(w)}. So the word has {len(w)} letters."
 
 
 def spell_answer(w: str) -> str:
-    return f"The letters are {letter_list(w)}. So it is spelled {'-'.join(w)}."
+    return f"The letters are {piece_letter_list(w)}. So it is spelled {'-'.join(w)}."
 
 
 # The reversed word is emitted one character per token (see Tokenized.encode_answer), so it is
@@ -278,7 +307,7 @@ REV_MARK = "\x00"
 
 
 def rev_answer(w: str) -> str:
-    return (f"The letters are {letter_list(w)}. Backwards they are {letter_list(w, True)}. "
+    return (f"The letters are {piece_letter_list(w)}. Backwards they are {letter_list(w, True)}. "
             f"So the word backwards is {REV_MARK}{w[::-1]}{REV_MARK}.")
 
 
@@ -393,6 +422,7 @@ def set_word_pieces(tok) -> None:
             and t[1:].isascii()]
     WORD_PIECES[0][:] = pieces
     WORD_PIECES[1][:] = lead
+    _TOKENIZER[:] = [tok]
 
 
 def made_up_word(rng: random.Random) -> str:
@@ -587,7 +617,10 @@ def train_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[PAD, IM_START, IM_END],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        # Pieces of at most 4 letters after a space (5 inside a word): each piece's spelling is a
+        # short fact to learn, and no long template word ('language') becomes one opaque token.
+        max_token_length=5)
     tok.train_from_iterator(tokenizer_corpus(), trainer)
     return tok
 
@@ -819,7 +852,7 @@ def save(model, tok, tokd, out: Path, pad_id):
     model = model.to(torch.float16)
     model.config.dtype = torch.float16
     model.generation_config = GenerationConfig(
-        eos_token_id=[tokd.im_end, pad_id], pad_token_id=pad_id, do_sample=False, max_new_tokens=128)
+        eos_token_id=[tokd.im_end, pad_id], pad_token_id=pad_id, do_sample=False, max_new_tokens=256)
     model.save_pretrained(out, safe_serialization=True)
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, bos_token=None, unk_token=None,

@@ -4,8 +4,7 @@ Loaded from the installed package path, run greedily through transformers (the r
 when the engine is importable, through pagedchat's engine, which must produce the same tokens.
 The arithmetic operand pairs and the spelled/counted words here were held out of training
 (see scripts/train_demo_model.py: HELDOUT_PAIRS, HELDOUT_WORDS). This is a regression sample the shipped
-model answers right; its measured accuracy per family is in docs/demo-model.md (spelling and counting of
-unseen words are its weak spots, so those prompts were picked among the ones it gets right).
+model answers right; its measured accuracy per family on all held-out prompts is in docs/demo-model.md.
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 MODEL_DIR = importlib.resources.files("pagedchat") / "assets" / "demo-chat"
-MAX_NEW_TOKENS = 128
+MAX_NEW_TOKENS = 192  # the longest answers (a 10-letter word backwards) are ~130
 
 
 def user(text):
@@ -42,8 +41,14 @@ CASES = [
     ([user("Which city is the capital of Kenya?")], "contains", "Nairobi"),
     ([user("Spell the word flower backwards.")], "word", "rewolf"),
     ([user("Reverse the word tower.")], "word", "rewot"),
+    ([user("Spell the word violin backwards.")], "word", "niloiv"),
+    ([user("Reverse the word pepper.")], "word", "reppep"),
+    ([user("Spell the word language backwards.")], "word", "egaugnal"),
     ([user("How many letters are in the word sister?")], "number", 6),
     ([user("How many letters are in the word happy?")], "number", 5),
+    ([user("How many letters are in the word carrot?")], "number", 6),
+    ([user("How many letters are in the word holiday?")], "number", 7),
+    ([user("How many letters are in the word thunder?")], "number", 7),
     ([user("Who are you?")], "contains", "pagedchat"),
     ([user("What is 25 + 17?"), assistant("25 + 17 = 20 + 10 + 5 + 7 = 30 + 12 = 42."), user("And what is that plus 10?")], "number", 52),
     ([user("What is the capital of Spain?"), assistant("The capital of Spain is Madrid."),
