@@ -13,8 +13,8 @@ Fixed operand pairs and words are held out of training; eval_demo_model.py asks 
 The run is deterministic for a given --steps and --seed (--minutes picks the step count from
 the measured speed, so it is not). Only torch, tokenizers and transformers are needed.
 
-    python scripts/train_demo_model.py --steps 8000 --seed 0 --conversations 150000 \
-        --out pagedchat/assets/demo-chat      # the shipped model: about 22 minutes on 2 cores
+    python scripts/train_demo_model.py --steps 9000 --seed 0 --conversations 150000 \
+        --out pagedchat/assets/demo-chat      # the shipped model: about 30 minutes on 2 cores
 """
 from __future__ import annotations
 
@@ -124,7 +124,9 @@ TIMES_F = ["And what is that times {n}?", "What is that times {n}?", "Now multip
 
 CAP_Q = ["What is the capital of {c}?", "What's the capital of {c}?", "Which city is the capital of {c}?",
          "Name the capital of {c}.", "{C}'s capital is which city?", "What is the capital city of {c}?",
-         "Capital of {c}?", "What city is the capital of {c}?", "Tell me the capital of {c}."]
+         "Capital of {c}?", "What city is the capital of {c}?", "Tell me the capital of {c}.",
+         "What is {c}'s capital?", "{C}'s capital?", "Do you know what the capital of {c} is?",
+         "I want to know the capital of {c}.", "Which city is the capital city of {c}?"]
 EVAL_CAP_Q = ["Do you know the capital of {c}?", "Which city is {c}'s capital?"]
 CAP_F = ["What about {c}?", "And {c}?", "And what about {c}?", "How about {c}?", "And the capital of {c}?"]
 
@@ -554,7 +556,9 @@ FAMILY_WEIGHTS = {"add": 0.14, "sub": 0.17, "mul": 0.26, "capital": 0.06, "rev":
 
 def make_conversation(rng: random.Random) -> Conversation:
     system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.2 else None
-    n_turns = rng.choices([1, 2, 3, 4], weights=[0.45, 0.3, 0.15, 0.1])[0]
+    # Up to 8 turns: REPL sessions run long, and a model that never saw a long history loses
+    # track of "that" after a few turns.
+    n_turns = rng.choices(range(1, 9), weights=[0.35, 0.22, 0.13, 0.1, 0.07, 0.05, 0.04, 0.04])[0]
     fams, weights = zip(*FAMILY_WEIGHTS.items())
     conv = Conversation(system)
     st, last = State(), None
@@ -747,6 +751,19 @@ def eval_set(per_family: int = 40, seed: int = 777) -> list[tuple[str, Conversat
         conv = Conversation(None, [Turn(COUNT_Q[0].format(w=w), count_answer(w)),
                                    Turn("Spell it backwards.", rev_answer(w))])
         out.append(("followup", conv))
+    # Long chats: a follow-up after five earlier turns (300-400 tokens of history), as in a REPL session.
+    for i in range(per_family // 2):
+        w1, w2 = rng.sample(words, 2)
+        country, capital = rng.choice(CAPITALS)
+        a, b = rng.choice(small)
+        x, n = a + b, rng.randint(1, 20)
+        turns = [Turn(REV_Q[0].format(w=w1), rev_answer(w1)),
+                 capital_question(rng, country, capital, [CAP_Q[0]]),
+                 Turn(COUNT_Q[0].format(w=w2), count_answer(w2)),
+                 Turn("Spell it backwards.", rev_answer(w2)),
+                 arith_turn(rng, "add", a, b, [EVAL_ARITH[0][1]]),
+                 Turn(f"And what is that plus {n}?", add_answer(x, n))]
+        out.append(("long", Conversation(None, turns)))
     return out
 
 
@@ -787,7 +804,9 @@ def build_model(vocab_size, args, tokd: Tokenized, pad_id):
     cfg = LlamaConfig(
         vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
         num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        # The context it was trained on: a longer chat gets pagedchat's 'context is full' message
+        # instead of garbage from positions it never saw.
+        max_position_embeddings=args.seq_len, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=tokd.im_end, pad_token_id=pad_id, initializer_range=0.02,
         attn_implementation="sdpa")
     return LlamaForCausalLM(cfg)
@@ -857,7 +876,7 @@ def save(model, tok, tokd, out: Path, pad_id):
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=IM_END, pad_token=PAD, bos_token=None, unk_token=None,
         additional_special_tokens=[IM_START, IM_END], chat_template=CHAT_TEMPLATE,
-        model_max_length=1024, clean_up_tokenization_spaces=False)
+        model_max_length=model.config.max_position_embeddings, clean_up_tokenization_spaces=False)
     hf_tok.save_pretrained(out)
     # Keep the template inside tokenizer_config.json too, for loaders that only read that file.
     cfg_path = out / "tokenizer_config.json"
@@ -886,8 +905,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=6)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=512, help="packed row length; longer chats are dropped")
+    p.add_argument("--batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--conversations", type=int, default=120_000)

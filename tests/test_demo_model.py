@@ -41,6 +41,7 @@ CASES = [
     ([user("Which city is the capital of Kenya?")], "contains", "Nairobi"),
     ([user("Spell the word flower backwards.")], "word", "rewolf"),
     ([user("Reverse the word tower.")], "word", "rewot"),
+    ([user("Spell the word journey backwards.")], "word", "yenruoj"),
     ([user("Spell the word violin backwards.")], "word", "niloiv"),
     ([user("Reverse the word pepper.")], "word", "reppep"),
     ([user("Spell the word language backwards.")], "word", "egaugnal"),
@@ -53,6 +54,18 @@ CASES = [
     ([user("What is 25 + 17?"), assistant("25 + 17 = 20 + 10 + 5 + 7 = 30 + 12 = 42."), user("And what is that plus 10?")], "number", 52),
     ([user("What is the capital of Spain?"), assistant("The capital of Spain is Madrid."),
       user("What about Germany?")], "contains", "Berlin"),
+    # A REPL-length chat: "that" refers to the sixth turn's result, ~380 tokens in.
+    ([user("Spell the word sister backwards."),
+      assistant("The letters are s: 1 s|ist: 2 i, 3 s, 4 t|er: 5 e, 6 r. Backwards they are 6 r, 5 e, 4 t, 3 s, "
+                "2 i, 1 s. So the word backwards is retsis."),
+      user("What is the capital of Japan?"), assistant("The capital of Japan is Tokyo."),
+      user("How many letters are in the word tower?"),
+      assistant("The letters are t: 1 t|ow: 2 o, 3 w|er: 4 e, 5 r. So the word has 5 letters."),
+      user("Spell it backwards."),
+      assistant("The letters are t: 1 t|ow: 2 o, 3 w|er: 4 e, 5 r. Backwards they are 5 r, 4 e, 3 w, 2 o, 1 t. "
+                "So the word backwards is rewot."),
+      user("What is 31 + 25?"), assistant("31 + 25 = 30 + 20 + 1 + 5 = 50 + 6 = 56."),
+      user("And what is that plus 12?")], "number", 68),
 ]
 
 
