@@ -48,6 +48,8 @@ def test_prompt_longer_than_context_in_a_session_turn(cli, model):
     code, _, err = cli("run", "-m", str(model), "--max-context", "64", "--session", "s1", "hello world " * 30)
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert "64" in err and re.search(r"\b(\d{3})\b tokens", err), err
+    # Shell advice, not the REPL's slash commands.
+    assert "new session" in err and "pagedchat chat --session s1" in err and "/clear" not in err, err
 
 
 def test_prompt_larger_than_the_whole_pool(cli, model):

@@ -27,6 +27,15 @@ FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repea
 MAX_FORK = 16
 
 
+class ContextFull(UserError):
+    """The branch no longer fits the model's context. The way out differs between the REPL (slash
+    commands, the default advice) and `run --session` (which gives its own)."""
+
+    def __init__(self, what: str, advice: str):
+        super().__init__(f"{what}; {advice}")
+        self.what = what
+
+
 @dataclass
 class TurnResult:
     user: Node | None                 # the new user message (None for /regen and /fork without text)
@@ -288,8 +297,8 @@ class ChatController:
         engine = self.engine
         room = engine.max_model_len - len(prompt)
         if room < 1:
-            raise UserError(f"the context is full: this turn needs {len(prompt)} tokens and the model takes "
-                            f"{engine.max_model_len}; /clear or /new to start over, /switch to an earlier node")
+            raise ContextFull(f"the context is full: this turn needs {len(prompt)} tokens and the model takes "
+                              f"{engine.max_model_len}", "/clear or /new to start over, /switch to an earlier node")
         limit = max(room // 2, min(room, 32))  # leave room for more turns in a small context
         if params.max_tokens > limit:
             params = params.with_(max_tokens=limit)

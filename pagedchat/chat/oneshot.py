@@ -11,6 +11,7 @@ import json
 import sys
 
 from pagedchat.chat.app import start
+from pagedchat.chat.controller import ContextFull
 from pagedchat.chat.shell import stop_on_ctrl_c
 from pagedchat.settings import ModelOptions, SamplingOptions
 from pagedchat.errors import UserError
@@ -40,8 +41,12 @@ def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: st
     if head is not None and head.role == "user":
         raise UserError(f"the head of session {current.name} (#{head.id}) is a message with no reply; answer "
                         f"it in `pagedchat chat --session {current.name}` (/regen)")
-    with stop_on_ctrl_c(ctl):
-        result = ctl.send(text, n=num_variants, on_update=write if streaming else None)
+    try:
+        with stop_on_ctrl_c(ctl):
+            result = ctl.send(text, n=num_variants, on_update=write if streaming else None)
+    except ContextFull as e:
+        raise UserError(f"{e.what}; start a new session (--session NEW), or open this one with "
+                        f"`pagedchat chat --session {current.name}` and /switch to an earlier turn") from None
     if as_json:
         print(json.dumps(_report(ctl, result)))
     elif streaming:
