@@ -54,7 +54,8 @@ CASES = [
     ([user("What is 25 + 17?"), assistant("25 + 17 = 20 + 10 + 5 + 7 = 30 + 12 = 42."), user("And what is that plus 10?")], "number", 52),
     ([user("What is the capital of Spain?"), assistant("The capital of Spain is Madrid."),
       user("What about Germany?")], "contains", "Berlin"),
-    # A REPL-length chat: "that" refers to the sixth turn's result, ~380 tokens in.
+    # A REPL-length chat, ~360 tokens: "that" is the result of the turn before (the judged step is the
+    # follow-up; the spelled words are held out, the sum in the history need not be).
     ([user("Spell the word sister backwards."),
       assistant("The letters are s: 1 s|ist: 2 i, 3 s, 4 t|er: 5 e, 6 r. Backwards they are 6 r, 5 e, 4 t, 3 s, "
                 "2 i, 1 s. So the word backwards is retsis."),
