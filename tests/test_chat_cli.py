@@ -141,7 +141,10 @@ def test_run_session_ctrl_c_saves_the_partial_reply(cli, model, env, monkeypatch
         return real_step(self)
 
     monkeypatch.setattr(Engine, "step", step)
-    result = cli("run", "-m", model, "--session", "cut", "--max-tokens", "200", "--device", "cpu", "hello world")
+    # Greedy: this model's greedy reply runs past 200 tokens, so Ctrl-C always lands mid-reply (a sampled reply
+    # could end by itself before step 4, depending on what ran earlier in the process).
+    result = cli("run", "-m", model, "--session", "cut", "--temperature", "0", "--max-tokens", "200", "--device",
+                 "cpu", "hello world")
     assert result.exit_code == 130
     reply = _session(env, "cut")["nodes"][1]
     assert reply["interrupted"] is True and 0 < len(reply["token_ids"]) < 10
