@@ -1,17 +1,11 @@
-"""Shared set-up for the chat tests: one tiny ChatML model, an engine on it, a controller with a temp store."""
+"""Shared set-up for the chat tests: an engine on the tiny ChatML model (conftest `model`), a controller with a
+temp store."""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
 
-from hf_models import build_model
-
-
-def build_chat_model(root: Path, arch: str = "llama") -> Path:
-    path = Path(root) / arch
-    build_model(arch, path)
-    return path
 
 
 def make_engine(model: Path, kv_memory: str = "4MiB", block_size: int = 16, max_model_len: int | None = None):

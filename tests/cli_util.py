@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
 import sys
+from pathlib import Path
 
 
 def invoke(args: list[str], stdin: str | None = None, capsys=None, monkeypatch=None) -> tuple[int, str, str]:
@@ -23,3 +25,8 @@ def invoke(args: list[str], stdin: str | None = None, capsys=None, monkeypatch=N
 class _TTY(io.StringIO):
     def isatty(self):
         return True
+
+
+def read_session(xdg_home: Path, name: str) -> dict:
+    """The saved session file, as a test's XDG data folder holds it."""
+    return json.loads((xdg_home / "data" / "pagedchat" / "sessions" / f"{name}.json").read_text())

@@ -50,3 +50,10 @@ def model_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("models")
     return {arch: (root / arch, build_model(arch, root / arch)) for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def model(model_dirs):
+    """The tiny llama chat model (ChatML template) most CLI and chat tests run on. Shared by the whole
+    session, so read-only: a test that changes files copies it first."""
+    return model_dirs["llama"][0]

@@ -26,11 +26,6 @@ def cli(pagedchat_cli):
     return pagedchat_cli
 
 
-@pytest.fixture
-def model(model_dirs):
-    return model_dirs["llama"][0]
-
-
 # -- prompt longer than the model's context ----------------------------------------------------------------------
 def test_prompt_longer_than_context_names_both_numbers(cli, model):
     code, _, err = cli("run", "-m", str(model), "--raw", "word " * 600)

@@ -5,14 +5,8 @@ import stat
 
 import pytest
 
-from chat_support import build_chat_model
-from cli_util import invoke
+from cli_util import invoke, read_session
 from pagedchat.errors import UserError
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_chat_model(tmp_path_factory.mktemp("chat-cli"))
 
 
 @pytest.fixture
@@ -25,17 +19,13 @@ def cli(typer_cli):
     return typer_cli
 
 
-def _session(env, name):
-    return json.loads((env / "data" / "pagedchat" / "sessions" / f"{name}.json").read_text())
-
-
 FAST = ["--temperature", "0", "--max-tokens", "8", "--device", "cpu", "--kv-memory", "4MiB"]
 
 
 def test_run_session_creates_then_continue_appends(cli, model, env):
     first = cli("run", "-m", model, "--session", "notes", *FAST, "hello world")
     assert first.exit_code == 0, first.output
-    data = _session(env, "notes")
+    data = read_session(env, "notes")
     assert [n["role"] for n in data["nodes"]] == ["user", "assistant"]
     reply = data["nodes"][1]
     assert first.output.strip() == reply["text"].strip() and len(reply["token_ids"]) == 8
@@ -49,7 +39,7 @@ def test_run_session_creates_then_continue_appends(cli, model, env):
     report = json.loads(follow.output)
     assert set(report) >= {"model", "outputs", "usage", "kv", "timing"}
     assert report["session"]["name"] == "notes"  # the most recently used one
-    nodes = _session(env, "notes")["nodes"]
+    nodes = read_session(env, "notes")["nodes"]
     assert [n["role"] for n in nodes] == ["user", "assistant"] * 3
     assert [n["parent"] for n in nodes] == [None, 1, 2, 3, 4, 5]
     assert report["outputs"][0]["token_ids"] == nodes[-1]["token_ids"]
@@ -63,7 +53,7 @@ def test_run_session_variants_and_stdin(cli, model, env):
     assert result.exit_code == 0, result.output
     assert [line for line in result.output.splitlines() if line.startswith("--- variant")] == \
         ["--- variant 1 (#2) ---", "--- variant 2 (#3) ---", "--- variant 3 (#4) ---"]
-    nodes = _session(env, "v")["nodes"]
+    nodes = read_session(env, "v")["nodes"]
     assert nodes[0]["text"] == "from stdin"
     assert [n["variant"] for n in nodes[1:]] == [1, 2, 3] and {n["parent"] for n in nodes[1:]} == {1}
 
@@ -74,7 +64,7 @@ def test_run_session_errors(cli, model, env, capsys, monkeypatch):
     code, out, err = invoke(["run", "--session", "../x", "-m", str(model), "hi"], None, capsys, monkeypatch)
     assert code == 2 and "invalid session name" in err
     assert cli("run", "-m", model, "--session", "s", "--system", "be brief", *FAST, "hi").exit_code == 0
-    assert _session(env, "s")["nodes"][0]["role"] == "system"
+    assert read_session(env, "s")["nodes"][0]["role"] == "system"
     clash = cli("run", "--session", "s", "--system", "be verbose", *FAST, "hi")
     assert isinstance(clash.exception, UserError) and "different system prompt" in str(clash.exception)
 
@@ -84,7 +74,7 @@ def test_chat_reads_piped_input_and_reopens_sessions(cli, model, env):
                  input="hello world\n/fork 2\n/tree\n/set top_k 3\n/exit\n")
     assert result.exit_code == 0, result.output
     assert "variant 2 · #" in result.output and "◀ head" in result.output and "Traceback" not in result.output
-    data = _session(env, "piped")
+    data = read_session(env, "piped")
     assert sorted(n["variant"] for n in data["nodes"] if n["variant"]) == [1, 2]
     assert data["settings"] == {"top_k": 3}
     again = cli("chat", "--session", "piped", *FAST, input="/set\n/show\n")
@@ -106,7 +96,7 @@ def test_sessions_list_show_export_rm(cli, model, env):
     md = cli("sessions", "export", "alpha", "--format", "md")
     assert md.output.startswith("# alpha") and "**User**" in md.output and "hello world" in md.output
     exported = json.loads(cli("sessions", "export", "alpha", "--format", "json").output)
-    assert exported == _session(env, "alpha")
+    assert exported == read_session(env, "alpha")
     out = env / "alpha.md"
     assert cli("sessions", "export", "alpha", "-o", out).exit_code == 0 and out.read_text().startswith("# alpha")
     assert cli("sessions", "rm", "alpha").exit_code == 0
@@ -146,6 +136,6 @@ def test_run_session_ctrl_c_saves_the_partial_reply(cli, model, env, monkeypatch
     result = cli("run", "-m", model, "--session", "cut", "--temperature", "0", "--max-tokens", "200", "--device",
                  "cpu", "hello world")
     assert result.exit_code == 130
-    reply = _session(env, "cut")["nodes"][1]
+    reply = read_session(env, "cut")["nodes"][1]
     assert reply["interrupted"] is True and 0 < len(reply["token_ids"]) < 10
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

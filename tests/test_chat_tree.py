@@ -2,15 +2,10 @@
 
 import pytest
 
-from chat_support import build_chat_model, make_controller, make_engine
+from chat_support import make_controller, make_engine
 from pagedchat.chat.tree import Node, Tree
 from pagedchat.chat.turns import Templater
 from pagedchat.errors import UserError
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_chat_model(tmp_path_factory.mktemp("chat-tree"))
 
 
 @pytest.fixture

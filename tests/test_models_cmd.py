@@ -4,13 +4,7 @@ import json
 
 import pytest
 
-from chat_support import build_chat_model
-from cli_util import invoke
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_chat_model(tmp_path_factory.mktemp("models-cmd"))
+from cli_util import invoke, read_session
 
 
 @pytest.fixture
@@ -21,10 +15,6 @@ def env(xdg_home):
 @pytest.fixture
 def cli(typer_cli):
     return typer_cli
-
-
-def _session(env, name):
-    return json.loads((env / "data" / "pagedchat" / "sessions" / f"{name}.json").read_text())
 
 
 def test_models_list_and_show_say_where_settings_come_from(cli, model, env):
@@ -51,7 +41,7 @@ def test_models_list_and_show_say_where_settings_come_from(cli, model, env):
     # A chat with the registry name uses the entry's system prompt and sampling.
     run = cli("run", "-m", "tl", "--session", "r", "--max-tokens", "4", "--device", "cpu", "hi")
     assert run.exit_code == 0, run.output
-    assert _session(env, "r")["nodes"][0]["text"] == "be brief" and _session(env, "r")["model"] == "tiny-llama"
+    assert read_session(env, "r")["nodes"][0]["text"] == "be brief" and read_session(env, "r")["model"] == "tiny-llama"
 
 
 @pytest.mark.parametrize("content, where, message", [

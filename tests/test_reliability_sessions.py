@@ -27,11 +27,6 @@ from pagedchat.settings import ModelOptions, SamplingOptions, load_engine
 
 
 @pytest.fixture
-def model(model_dirs):
-    return model_dirs["llama"][0]
-
-
-@pytest.fixture
 def xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))

@@ -11,16 +11,11 @@ import time
 
 import pytest
 
-from chat_support import build_chat_model, make_controller, make_engine, text_console
+from chat_support import make_controller, make_engine, text_console
 
 pytest.importorskip("prompt_toolkit")
 
 ENTER, ESC_ENTER, TAB, CTRL_C, CTRL_D = "\r", "\x1b\r", "\t", "\x03", "\x04"
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_chat_model(tmp_path_factory.mktemp("repl"))
 
 
 @pytest.fixture

@@ -7,16 +7,11 @@ import stat
 
 import pytest
 
-from chat_support import build_chat_model, make_controller, make_engine
+from chat_support import make_controller, make_engine
 from pagedchat.chat.session import Session
 from pagedchat.chat.store import SaveError, SessionStore, history_file
 from pagedchat.chat.tree import Tree
 from pagedchat.errors import UserError
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build_chat_model(tmp_path_factory.mktemp("chat-store"))
 
 
 @pytest.fixture
