@@ -50,6 +50,7 @@ class EngineConfig:
     max_num_seqs: int = 256         # running sequences per step
     max_num_batched_tokens: int = 2048  # per-step token budget; prefill is chunked to fit it
     enable_prefix_cache: bool = True
+    kv_allocation: str = "paged"    # paged | reserved: the peer a contiguous cache stands for (bench serve)
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
     chat_template: str | None = None  # replaces the folder's template (models.toml chat_template), set at load
@@ -67,5 +68,10 @@ class EngineConfig:
             raise UserError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
             raise UserError(f"kv fraction must be in (0, 1], got {self.kv_fraction}")
+        if self.kv_allocation not in ("paged", "reserved"):
+            raise SettingError("kv_allocation", f"{{name}} must be paged or reserved, got {self.kv_allocation!r}")
+        if self.kv_allocation == "reserved":
+            # A contiguous per-request region cannot hold another request's blocks: no prefix sharing.
+            self.enable_prefix_cache = False
         if self.dtype not in DTYPE_CHOICES:
             raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")
