@@ -19,7 +19,8 @@ from pagedchat.errors import UserError
 
 SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
 ENTRY_KEYS = {"source", "path", "revision", "aliases", "dtype", "max_context", "chat_template",
-              "chat_template_kwargs", "system_prompt", "stop", "sampling", "trust_remote_code", "kv", "description"}
+              "chat_template_kwargs", "system_prompt", "stop", "sampling", "trust_remote_code", "kv", "description",
+              "speculate", "num_draft_tokens", "draft_model"}
 DEFAULT_KEYS = (ENTRY_KEYS - {"trust_remote_code"}) | {"model", "keep_alive"}  # remote code: per model only
 
 
@@ -233,7 +234,8 @@ def _check_aliases(registry: "Registry") -> None:
 _DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 _TYPES = {"source": str, "path": str, "revision": str, "dtype": str, "chat_template": str, "system_prompt": str,
           "description": str, "model": str, "keep_alive": str, "trust_remote_code": bool, "max_context": int,
-          "sampling": dict, "kv": dict, "chat_template_kwargs": dict}
+          "sampling": dict, "kv": dict, "chat_template_kwargs": dict, "speculate": str, "num_draft_tokens": int,
+          "draft_model": str}
 
 
 def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> None:
@@ -254,6 +256,8 @@ def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> N
             fail(f"{key} must be {_KIND_NAMES[kind]}, got {table[key]!r}", key)
     if "dtype" in table and table["dtype"] not in _DTYPES:
         fail(f"dtype must be one of {', '.join(_DTYPES)}, got {table['dtype']!r}", "dtype")
+    if "speculate" in table and table["speculate"] not in ("ngram", "draft", "off"):
+        fail(f"speculate must be ngram, draft or off, got {table['speculate']!r}", "speculate")
     if "max_context" in table and table["max_context"] < 1:
         fail(f"max_context must be a positive number of tokens, got {table['max_context']}", "max_context")
     aliases = table.get("aliases", [])

@@ -18,6 +18,9 @@ class ModelOptions:
     block_size: int = 16
     kv_memory: Optional[str] = None
     max_context: Optional[int] = None
+    speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
+    num_draft_tokens: Optional[int] = None
+    draft_model: Optional[str] = None
 
 
 @dataclass
@@ -45,11 +48,29 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
-                          kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust)
+                          kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
+                          **speculation_settings(opts, entry))
     engine = Engine(config, show_progress=show_progress)
     if entry.table.get("chat_template") and engine.tokenizer is not None:
         engine.tokenizer.chat_template = _read_template(entry.table["chat_template"], entry)
     return engine, entry
+
+
+def speculation_settings(opts: ModelOptions, entry) -> dict:
+    """--speculate / --num-draft-tokens / --draft-model over the models.toml keys of the same names. A draft
+    model is named like -m: a models.toml entry or a folder."""
+    from pagedchat.registry import Registry
+
+    def pick(key, default):
+        value = getattr(opts, key)
+        return value if value is not None else entry.get(key, default).value
+
+    draft = pick("draft_model", None)
+    method = pick("speculate", None) or ("draft" if draft else "off")
+    out = {"speculate": method, "num_draft_tokens": pick("num_draft_tokens", 6)}
+    if method == "draft" and draft:
+        out["draft_model"] = str(Registry().resolve(draft).path)
+    return out
 
 
 def _read_template(value: str, entry) -> str:

@@ -25,6 +25,7 @@ _SET_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float
               "repetition_penalty": float, "stop": list}
 FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
 MAX_FORK = 16
+CONTEXT_LEAD = 64          # prompt tokens put before a sibling reply, so a draft can match its start
 
 
 class ContextFull(UserError):
@@ -145,8 +146,11 @@ class ChatController:
 
     def set_option(self, key: str, value: str) -> str:
         """`/set KEY VALUE`: validated like SamplingParams; `default` removes the override."""
+        if key == "speculate":  # an engine setting, not a sampling one: it applies from the next turn
+            self.engine.set_speculation(value.strip().lower())
+            return f"speculate = {value.strip().lower()}"
         if key not in SET_KEYS:
-            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}")
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}, speculate")
         s = self.session
         keys = s.set_keys
         if value.strip().lower() == "default":
@@ -224,7 +228,10 @@ class ChatController:
         if user is None:
             raise UserError("nothing to regenerate yet: send a message first")
         params, notes = self._params(n, vary=True)
-        out, interrupted, stats = self._generate(s.tree.path_tokens(user.id), params, notes, on_update)
+        prompt = s.tree.path_tokens(user.id)
+        # earlier replies to the same message: n-gram drafts copy what a regeneration repeats of them
+        context = [prompt[-CONTEXT_LEAD:] + reply.token_ids for reply in s.tree.children(user.id)]
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update, context)
         return self._finish(user, out, interrupted, stats, notes, user_node=None)
 
     def edit(self, node_id: int, text: str, on_update=None) -> TurnResult:
@@ -239,8 +246,11 @@ class ChatController:
         path = s.tree.path(node.parent)
         user_ids = self.templater.user_turn_tokens(path, text)
         params, notes = self._params(1)
+        # the edited message's siblings and their replies: an edit's answer repeats much of the old one
+        context = [sibling.token_ids + reply.token_ids for sibling in s.tree.children(node.parent)
+                   for reply in s.tree.children(sibling.id)]
         out, interrupted, stats = self._generate(s.tree.path_tokens(node.parent) + user_ids, params, notes,
-                                                 on_update)
+                                                 on_update, context)
         user = s.tree.add(node.parent, "user", text, user_ids)
         return self._finish(user, out, interrupted, stats, notes, user_node=user)
 
@@ -293,7 +303,7 @@ class ChatController:
                 best, best_len = handle, k
         return best
 
-    def _generate(self, prompt: list[int], params, notes: list[str], on_update):
+    def _generate(self, prompt: list[int], params, notes: list[str], on_update, context=None):
         engine = self.engine
         room = engine.max_model_len - len(prompt)
         if room < 1:
@@ -305,7 +315,7 @@ class ChatController:
             capped = limit
         else:
             capped = None
-        rid = engine.add_request(prompt, params, keep=True, parent=self._pin_for(prompt))
+        rid = engine.add_request(prompt, params, keep=True, parent=self._pin_for(prompt), context=context)
         texts: dict[int, str] = {}
         interrupted = False
         self.stop_requested = False
@@ -397,7 +407,7 @@ class ChatController:
                 "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,
                 "prefix_hit_rate": pool.prefix_hit_rate, "cow_copies": pool.cow_copies, "pinned": st.pinned,
                 "pinned_blocks": st.pinned_blocks, "preemptions": st.preemptions, "sessions": per_session,
-                "last_turn": self.last_stats}
+                "last_turn": self.last_stats, "spec": st.spec}
 
 
 def _node_stats(stats: dict) -> dict:

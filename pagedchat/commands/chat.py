@@ -33,6 +33,9 @@ def chat(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    speculate: Optional[str] = common.SPECULATE,
+    num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
+    draft_model: Optional[str] = common.DRAFT_MODEL,
 ) -> None:
     from rich.console import Console
     from rich.text import Text
@@ -40,7 +43,8 @@ def chat(
     from pagedchat.chat.app import start
     from pagedchat.chat.repl import run_repl
 
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, speculate,
+                                     num_draft_tokens, draft_model)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     _check_flags(sampling)
     ctl, created = start(model_opts, sampling, session, continue_last, system)

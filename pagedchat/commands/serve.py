@@ -29,8 +29,12 @@ def serve(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    speculate: Optional[str] = common.SPECULATE,
+    num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
+    draft_model: Optional[str] = common.DRAFT_MODEL,
 ) -> None:
     from pagedchat.serve.server import run_server
 
-    opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
+    opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, speculate,
+                               num_draft_tokens, draft_model)
     run_server(opts, host, port, api_key, served_model_name, verbose)

@@ -51,6 +51,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
+    speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/speculative.py)
+    num_draft_tokens: int = 6       # most tokens proposed per sequence and step (adapted per sequence)
+    draft_model: str | None = None  # a smaller model with the same tokenizer (speculate="draft")
 
     def __post_init__(self):
         if isinstance(self.kv_memory, str) and self.kv_memory.strip().endswith("%"):
@@ -65,5 +68,16 @@ class EngineConfig:
             raise UserError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
             raise UserError(f"kv fraction must be in (0, 1], got {self.kv_fraction}")
+        self._check_speculation()
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise UserError(f"unknown dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
+
+    def _check_speculation(self) -> None:
+        if self.draft_model and self.speculate == "off":
+            self.speculate = "draft"  # --draft-model alone asks for it
+        if self.speculate not in ("off", "ngram", "draft"):
+            raise UserError(f"--speculate must be ngram, draft or off, got {self.speculate!r}")
+        if self.speculate == "draft" and not self.draft_model:
+            raise UserError("--speculate draft needs --draft-model NAME|PATH")
+        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 32:
+            raise UserError(f"--num-draft-tokens must be from 1 to 32, got {self.num_draft_tokens}")

@@ -26,7 +26,8 @@ from pagedchat.engine.sampler import Sampler, variant_generator
 from pagedchat.engine.sampling_params import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
 from pagedchat.engine.sequence import Request, Sequence, SeqStatus
-from pagedchat.errors import RequestError
+from pagedchat.engine.speculative import NgramProposer, Speculator
+from pagedchat.errors import RequestError, UserError
 from pagedchat.model.loader import LoadedModel, load_model
 
 
@@ -80,6 +81,7 @@ class EngineStats:
     pinned_blocks: int
     preemptions: int
     extra: dict = field(default_factory=dict)
+    spec: dict | None = None   # speculative decoding counters (SpecStats.as_dict) when it is on
 
 
 class Engine:
@@ -97,8 +99,32 @@ class Engine:
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
+        self._speculators: dict[str, Speculator] = {}
+        self.speculator: Speculator | None = None
+        self.set_speculation(config.speculate)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def set_speculation(self, method: str) -> None:
+        """Switch speculative decoding between steps: off, ngram, or draft (needs the config's draft model).
+        A draft model is loaded once and kept."""
+        if method == "off":
+            self.speculator = None
+            return
+        if method not in ("ngram", "draft"):
+            raise UserError(f"speculate must be ngram, draft or off, got {method!r}")
+        if method == "draft" and not self.config.draft_model:
+            raise UserError("speculate draft needs a draft model: start with --draft-model NAME|PATH")
+        if method not in self._speculators:
+            if method == "ngram":
+                proposer = NgramProposer()
+            else:
+                from pagedchat.engine.draft import DraftProposer
+
+                proposer = DraftProposer(self.config, self)
+            self._speculators[method] = Speculator(method, self.config.num_draft_tokens, proposer,
+                                                   self.max_model_len)
+        self.speculator = self._speculators[method]
 
     @property
     def device(self) -> torch.device:
@@ -111,16 +137,18 @@ class Engine:
         return list(self.tokenizer(text).input_ids)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, keep: bool = False, parent: Sequence | None = None) -> str:
+                    request_id: str | None = None, keep: bool = False, parent: Sequence | None = None,
+                    context: list[list[int]] | None = None) -> str:
         """Queue a prompt (text is encoded raw, no template). keep=True pins each finished variant's blocks;
-        parent= a pinned sequence whose tokens prefix this prompt: its KV is reused by forking it."""
+        parent= a pinned sequence whose tokens prefix this prompt: its KV is reused by forking it.
+        context= related token streams (sibling replies, other branches) that n-gram drafts may copy from."""
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_fits(ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, ids, params, keep=keep)
+        request = Request(request_id, ids, params, keep=keep, context=list(context or []))
         seq = Sequence(request, 0, ids)
         seq.generator = variant_generator(params.seed, 0, self.device)
         seq.parent = parent if parent is not None and parent.status == SeqStatus.PINNED else None
@@ -194,6 +222,8 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         events = [self._fail(seq) for seq in batch.failed]
         if not batch:
@@ -202,12 +232,35 @@ class Engine:
         self.scheduler.commit(batch)
         if logits is None:
             return events
-        logits, samplers = self._fork_variants(logits, samplers)
-        tokens = self.sampler(logits, samplers)
+        logits, samplers, verified = self._split_drafted(logits, samplers)
         now = time.perf_counter()
-        for seq, token in zip(samplers, tokens):
-            events.append(self._append_token(seq, token, now))
+        if samplers:
+            logits, samplers = self._fork_variants(logits, samplers)
+            tokens = self.sampler(logits, samplers)
+            for seq, token in zip(samplers, tokens):
+                if seq.spec is not None:
+                    self.speculator.record(seq, 0, 0, 1)
+                events.append(self._append_tokens(seq, [token], now))
+        for seq, rows in verified:
+            tokens, accepted = self.speculator.verify(seq, rows)
+            events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
+
+    @staticmethod
+    def _split_drafted(logits: torch.Tensor, samplers: list[Sequence]):
+        """Separate plain rows (one per sequence) from the 1 + k rows of each sequence with drafts."""
+        if not any(seq.draft_ids for seq in samplers):
+            return logits, samplers, []
+        rows, plain, verified, r = [], [], [], 0
+        for seq in samplers:
+            n = 1 + len(seq.draft_ids)
+            if n == 1:
+                rows.append(r)
+                plain.append(seq)
+            else:
+                verified.append((seq, logits[r:r + n]))
+            r += n
+        return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], plain, verified
 
     def _fork_variants(self, logits: torch.Tensor, samplers: list[Sequence]):
         """After a prompt's prefill, its n variants become forks sharing every block of it."""
@@ -233,19 +286,23 @@ class Engine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, seqs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> TokenEvent:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float, accepted: int | None = None) -> TokenEvent:
+        """Append sampled tokens (several after a verified draft run) until one of them finishes the sequence.
+        accepted: how many of them are drafts whose KV the step wrote; the pool is rolled back to those
+        before the sequence can finish, be pinned or be forked."""
         request, params = seq.request, seq.request.params
         request.first_token_time = request.first_token_time or now
-        seq.token_ids.append(token)
-        shown = len(seq.text)
-        decode_new_text(self.tokenizer, seq)
-        reason = None
-        if not params.ignore_eos and token in self.eos_token_ids or token in params.stop_token_ids:
-            reason = "stop"
-        elif self._cut_at_stop_string(seq, shown):
-            reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        start, reason, added = seq.num_tokens, None, []
+        for token in tokens:
+            seq.token_ids.append(token)
+            added.append(token)
+            reason = self._finish_reason(seq, token, len(seq.text))
+            if reason is not None:
+                break
+        if accepted is not None:
+            seq.draft_ids = []
+            seq.num_computed = start + min(len(added) - 1, accepted)  # the last token is never computed
+            self.scheduler.roll_back(seq)
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq, keep=request.keep)
@@ -255,7 +312,19 @@ class Engine:
         held = 0 if reason or not params.stop else max(len(s) for s in params.stop) - 1
         visible = max(seq.emitted, len(seq.text) - held)
         text, seq.emitted = seq.text[seq.emitted:visible], visible
-        return TokenEvent(request.request_id, seq.index, [token], text, reason)
+        return TokenEvent(request.request_id, seq.index, added, text, reason)
+
+    def _finish_reason(self, seq: Sequence, token: int, shown: int) -> str | None:
+        """After appending `token` (the text was `shown` characters long before it)."""
+        params = seq.request.params
+        decode_new_text(self.tokenizer, seq)
+        if not params.ignore_eos and token in self.eos_token_ids or token in params.stop_token_ids:
+            return "stop"
+        if self._cut_at_stop_string(seq, shown):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
 
     def _cut_at_stop_string(self, seq: Sequence, shown: int) -> bool:
         stops = seq.request.params.stop
@@ -310,10 +379,10 @@ class Engine:
         return [self.pop_output(i) for i in ids]
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, keep: bool = False,
-               parent: Sequence | None = None):
+               parent: Sequence | None = None, context: list[list[int]] | None = None):
         """Yield this request's TokenEvents as they come; the final RequestOutput is the generator's return
         value. Closing the generator early (Ctrl-C, a client gone) aborts the request and frees its blocks."""
-        rid = self.add_request(prompt, params, keep=keep, parent=parent)
+        rid = self.add_request(prompt, params, keep=keep, parent=parent, context=context)
         try:
             while not self.requests[rid].finished:
                 for event in self.step():
@@ -328,7 +397,8 @@ class Engine:
     def stats(self) -> EngineStats:
         pins = list(self.scheduler.pins.values())
         return EngineStats(self.pool.stats(), len(self.scheduler.running), len(self.scheduler.waiting), len(pins),
-                           self.blocks_held(pins), self.scheduler.num_preemptions)
+                           self.blocks_held(pins), self.scheduler.num_preemptions,
+                           spec=self.speculator.stats.as_dict() if self.speculator is not None else None)
 
     def blocks_held(self, handles: list[Sequence]) -> int:
         """Distinct blocks held by these pinned sequences (what a session costs the pool)."""
