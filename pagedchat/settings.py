@@ -18,6 +18,7 @@ class ModelOptions:
     block_size: int = 16
     kv_memory: Optional[str] = None
     max_context: Optional[int] = None
+    kv_allocation: str = "paged"    # serve only: "reserved" is the contiguous-cache peer of `bench serve`
     speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
     num_draft_tokens: Optional[int] = None
     draft_model: Optional[str] = None
@@ -49,7 +50,7 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                           kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
-                          **speculation_settings(opts, entry))
+                          kv_allocation=opts.kv_allocation, **speculation_settings(opts, entry))
     engine = Engine(config, show_progress=show_progress)
     if entry.table.get("chat_template") and engine.tokenizer is not None:
         engine.tokenizer.chat_template = _read_template(entry.table["chat_template"], entry)

@@ -43,8 +43,9 @@ def chat(
     from pagedchat.chat.app import start
     from pagedchat.chat.repl import run_repl
 
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, speculate,
-                                     num_draft_tokens, draft_model)
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context,
+                                     speculate=speculate, num_draft_tokens=num_draft_tokens,
+                                     draft_model=draft_model)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     _check_flags(sampling)
     ctl, created = start(model_opts, sampling, session, continue_last, system)

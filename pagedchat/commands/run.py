@@ -45,8 +45,9 @@ def run(
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
 ) -> None:
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, speculate,
-                                     num_draft_tokens, draft_model)
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context,
+                                     speculate=speculate, num_draft_tokens=num_draft_tokens,
+                                     draft_model=draft_model)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")
