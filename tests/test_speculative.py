@@ -143,7 +143,7 @@ def test_stop_token_cuts_a_run_and_pinned_tail_is_exact():
     out = engine.pop_output(rid)
     cut = expected.index(stop) + 1
     assert out.outputs[0].token_ids == expected[:cut]
-    handle = out.outputs[0].handle
+    handle = out.outputs[0].handle.sequence
     assert handle.num_computed == handle.num_tokens - 1
     assert len(handle.block_table) == -(-handle.num_computed // engine.pool.block_size)
     runner.check_sequence(handle)
@@ -257,7 +257,7 @@ def test_run_json_spec_report_and_same_tokens_as_off(pagedchat_cli, model_dirs):
 
 @pytest.mark.parametrize("args, message", [
     (["--speculate", "sometimes"], "--speculate must be ngram, draft or off"),
-    (["--speculate", "draft"], "--speculate draft needs --draft-model"),
+    (["--speculate", "draft"], "--speculate draft needs a draft model"),
     (["--speculate", "ngram", "--num-draft-tokens", "0"], "--num-draft-tokens must be from 1 to 32"),
 ])
 def test_bad_speculation_flags_are_one_line_errors(pagedchat_cli, model, args, message):
