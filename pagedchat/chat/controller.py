@@ -31,6 +31,7 @@ MAX_FORK = MAX_FORK_VARIANTS
 CHAT_KEYS = {"context_overflow": OVERFLOW_POLICIES}   # /set keys of the chat itself, not of sampling
 ALL_SET_KEYS = (*SET_KEYS, *CHAT_KEYS)
 THINK_MODES = ("show", "hide", "off")
+CONTEXT_LEAD = 64           # prompt tokens put before a sibling reply, so a draft can match its start
 
 
 @dataclass
@@ -146,10 +147,13 @@ class ChatController:
 
     def set_option(self, key: str, value: str) -> str:
         """`/set KEY VALUE`: validated like SamplingParams; `default` removes the override."""
+        if key == "speculate":  # an engine setting, not a sampling one: it applies from the next turn
+            self.backend.set_speculation(value.strip().lower())
+            return f"speculate = {value.strip().lower()}"
         if key in CHAT_KEYS:
             return self._set_chat_option(key, value)
         if key not in SET_KEYS:
-            raise UserError(f"unknown setting {key!r}; keys: {', '.join(ALL_SET_KEYS)}")
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(ALL_SET_KEYS)}, speculate")
         s = self.session
         keys = s.set_keys
         if value.strip().lower() == "default":
@@ -285,7 +289,10 @@ class ChatController:
         if user is None:
             raise UserError("nothing to regenerate yet: send a message first")
         params, notes = self._params(n, vary=True)
-        out, interrupted, stats = self._generate(s.tree.path_tokens(user.id), params, notes, on_update)
+        prompt = s.tree.path_tokens(user.id)
+        # earlier replies to the same message: n-gram drafts copy what a regeneration repeats of them
+        context = [prompt[-CONTEXT_LEAD:] + reply.token_ids for reply in s.tree.children(user.id)]
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update, context)
         return self._finish(user, out, interrupted, stats, notes, user_node=None)
 
     def edit(self, node_id: int, text: str, on_update=None) -> TurnResult:
@@ -299,7 +306,10 @@ class ChatController:
         path = s.tree.path(node.parent)
         params, notes = self._params(1)
         prompt, user_ids, context = self._fit(path, text, params, notes)
-        out, interrupted, stats = self._generate(prompt, params, notes, on_update)
+        # the edited message's siblings and their replies: an edit's answer repeats much of the old one
+        related = [sibling.token_ids + reply.token_ids for sibling in s.tree.children(node.parent)
+                   for reply in s.tree.children(sibling.id)]
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update, related)
         user = s.tree.add(node.parent, "user", text, user_ids, context=context)
         return self._finish(user, out, interrupted, stats, notes, user_node=user)
 
@@ -377,7 +387,7 @@ class ChatController:
             notes.append(f"temperature is 0, so {what}: sampling at temperature {temperature:g}")
         return params, notes
 
-    def _generate(self, prompt: list[int], params, notes: list[str], on_update):
+    def _generate(self, prompt: list[int], params, notes: list[str], on_update, context=None):
         room = self.backend.max_model_len - len(prompt)
         # Under stop, leave room for more turns in a small context; drop-oldest makes room when it must.
         limit = room if self.overflow_policy()[0] == "drop-oldest" else max(room // 2, min(room, 32))
@@ -390,7 +400,7 @@ class ChatController:
                 self.on_note(note)
             notes.clear()
         parent = self.backend.pin_for(self.session.handles, prompt)
-        done = self.backend.generate(prompt, params, parent, on_update)
+        done = self.backend.generate(prompt, params, parent, on_update, context)
         stats = self._stats(prompt, done.output, capped, params.n)
         return done.output, done.interrupted, stats
 
@@ -457,7 +467,7 @@ class ChatController:
                 "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,
                 "prefix_hit_rate": pool.prefix_hit_rate, "cow_copies": pool.cow_copies, "pinned": st.pinned,
                 "pinned_blocks": st.pinned_blocks, "preemptions": st.preemptions, "sessions": per_session,
-                "last_turn": self.last_stats}
+                "last_turn": self.last_stats, "spec": st.spec}
 
 
 def _node_stats(stats: dict) -> dict:

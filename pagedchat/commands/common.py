@@ -35,3 +35,9 @@ CONTEXT_OVERFLOW = typer.Option(None, "--context-overflow",
                                 help="When a conversation outgrows the context: stop (refuse the turn) or "
                                      "drop-oldest (keep the system prompt and the newest turns that fit). "
                                      "Default: drop-oldest in chat, stop in run and serve.")
+SPECULATE = typer.Option(None, "--speculate", help="Speculative decoding: ngram (drafts copied from the prompt, "
+                                                   "history and sibling replies), draft (--draft-model) or off.")
+NUM_DRAFT_TOKENS = typer.Option(None, "--num-draft-tokens", help="Most draft tokens per step (adapted per "
+                                                                 "sequence to its acceptance; default 6).")
+DRAFT_MODEL = typer.Option(None, "--draft-model", help="Smaller model with the same tokenizer that proposes "
+                                                       "drafts (models.toml name or folder).")

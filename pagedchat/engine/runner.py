@@ -36,16 +36,23 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    spec = loaded.spec
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim \
+        * torch.empty((), dtype=loaded.dtype).element_size()
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, extra_bytes_per_block: int = 0):
+        """extra_bytes_per_block: what each block also costs elsewhere (a draft model's KV for as many
+        tokens), so the memory budget is split between the two by bytes per token."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = config.block_size
         spec = loaded.spec
-        self.bytes_per_block = 2 * spec.num_layers * config.block_size * spec.num_kv_heads * spec.head_dim \
-            * torch.empty((), dtype=loaded.dtype).element_size()
-        self.num_blocks = self._num_blocks(config)
+        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size)
+        self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
         shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
         # Zero-filled: the torch path reads padded slots (masked, but 0 * NaN would still be NaN).
         self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
@@ -58,7 +65,7 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
 
-    def _num_blocks(self, config: EngineConfig) -> int:
+    def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:
             assert config.num_blocks > 0
             return config.num_blocks
@@ -70,7 +77,7 @@ class ModelRunner:
                 int(_available_ram() * config.kv_fraction)
         else:
             self._check_fits_memory(budget)
-        num_blocks = budget // self.bytes_per_block
+        num_blocks = budget // (self.bytes_per_block + extra_bytes_per_block)
         if num_blocks < 1:
             raise SettingError("kv_memory", f"{{name}} {budget} bytes holds no KV block: one block of "
                                             f"{self.block_size} tokens needs {self.bytes_per_block} bytes")
@@ -126,7 +133,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token."""
+        """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token
+        (1 + len(draft_ids) rows for a sequence with drafts, in batch order)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
         if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
@@ -148,13 +156,14 @@ class ModelRunner:
         for seq, n in batch.items:
             start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
             ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.draft_ids)  # a sequence with drafts always has all of them scheduled
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tables.append(table + [0] * (max_blocks - len(table)))
             seq_lens.append(end)
             cu.append(cu[-1] + n)
-            if end == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
+            if end == seq.num_tokens + len(seq.draft_ids):  # one row per drafted position too
+                sample_rows.extend(range(cu[-1] - 1 - len(seq.draft_ids), cu[-1]))
                 samplers.append(seq)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
