@@ -17,10 +17,9 @@ def article(word: str) -> str:
 
 def cut_mark(finish_reason: str | None) -> str:
     """A reply cut by max_tokens or the context must not pass for a whole one: a dim [length] after it on a
-    terminal; when stdout is a pipe the text stays clean and the mark goes to stderr."""
-    if finish_reason != "length":
-        return ""
-    if sys.stdout.isatty():
-        return " \x1b[2m[length]\x1b[0m"
-    print("pagedchat: [length] the reply stopped at the token limit (--max-tokens or the context)", file=sys.stderr)
-    return ""
+    terminal. A pipe gets the text alone (scripts read finish_reason from --json)."""
+    return " \x1b[2m[length]\x1b[0m" if finish_reason == "length" and _is_terminal() else ""
+
+
+def _is_terminal() -> bool:
+    return sys.stdout.isatty()

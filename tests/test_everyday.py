@@ -50,13 +50,15 @@ def test_kv_memory_beyond_the_machine_is_one_line(pagedchat_cli, model):
     assert len(err.strip().splitlines()) == 1
 
 
-def test_a_reply_cut_by_max_tokens_is_marked(pagedchat_cli, model):
-    code, out, err = pagedchat_cli("run", "-m", str(model), "--raw", "--temperature", "0", "--max-tokens", "3",
-                                   "--json", "Once upon a time")
+def test_a_reply_cut_by_max_tokens_is_marked(pagedchat_cli, model, monkeypatch):
+    args = ["run", "-m", str(model), "--raw", "--temperature", "0", "--max-tokens", "3", "Once upon a time"]
+    code, out, err = pagedchat_cli(*args[:-1], "--json", args[-1])
     assert json.loads(out)["outputs"][0]["finish_reason"] == "length"
-    code, out, err = pagedchat_cli("run", "-m", str(model), "--raw", "--temperature", "0", "--max-tokens", "3",
-                                   "Once upon a time")
-    assert code == 0 and "[length]" in err      # stdout is not a terminal: the text stays clean
+    code, plain, _ = pagedchat_cli(*args)
+    assert code == 0 and "[length]" not in plain          # a pipe gets the text alone
+    monkeypatch.setattr("pagedchat.words._is_terminal", lambda: True)
+    code, out, _ = pagedchat_cli(*args)
+    assert out.rstrip().endswith("\x1b[2m[length]\x1b[0m") and out.startswith(plain.rstrip())
 
 
 def test_tree_marks_length_replies(model, tmp_path):
