@@ -32,9 +32,11 @@ class ModelRunner:
             * torch.empty((), dtype=loaded.dtype).element_size()
         self.num_blocks = self._num_blocks(config)
         shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
-        # Zero-filled: the torch path reads padded slots (masked, but 0 * NaN would still be NaN).
-        self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
+        # Not zero-filled: no path reads a slot before it is written, or it masks what it reads (past a
+        # sequence's end, whatever the memory holds, NaN included: tests poison the pool to prove it). On CPU
+        # the untouched pages of a large pool then cost nothing at all.
+        self.k_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.v_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
         backend = "torch" if self.device.type == "cpu" else "auto"
         for layer, k, v in zip(self.model.attention_layers(), self.k_caches, self.v_caches):
             layer.k_cache, layer.v_cache, layer.backend = k, v, backend
@@ -50,14 +52,19 @@ class ModelRunner:
         budget = config.kv_memory
         if budget is None and self.device.type == "cuda":
             budget = self._free_memory_budget(config)
+        elif budget is None and config.kv_fraction is None:
+            budget = min(CPU_DEFAULT_KV_BYTES, self._usable_blocks(config) * self.bytes_per_block)
         elif budget is None:
-            budget = CPU_DEFAULT_KV_BYTES if config.kv_fraction is None else \
-                int(_available_ram() * config.kv_fraction)
+            budget = int(_available_ram() * config.kv_fraction)
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise UserError(f"--kv-memory {budget} bytes holds no KV block: one block of {self.block_size} "
                             f"tokens needs {self.bytes_per_block} bytes")
         return int(num_blocks)
+
+    def _usable_blocks(self, config: EngineConfig) -> int:
+        """Blocks the default CPU pool can ever fill: every running sequence at the full context."""
+        return -(-self.loaded.max_model_len // self.block_size) * config.max_num_seqs
 
     def _free_memory_budget(self, config: EngineConfig) -> int:
         """What is left for the pool after the weights and a profiled forward of a full step."""

@@ -7,6 +7,21 @@ from torch import nn
 import torch.nn.functional as F
 
 
+class Linear(nn.Linear):
+    """nn.Linear without the random init: every weight is loaded from the checkpoint. (On the meta device
+    the init would also import torch._dynamo, a second of start-up.)"""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class Embedding(nn.Embedding):
+    """nn.Embedding without the random init (see Linear)."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
