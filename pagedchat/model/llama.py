@@ -74,14 +74,17 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         s = self.spec
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k.contiguous(), v.contiguous(), meta)
+            q = self.q_norm(qkv[:, :self.q_size].view(-1, s.num_heads, s.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, s.num_kv_heads, s.head_dim))
+            q, k = self.rotary(positions, q, k)
+        else:  # q and k heads side by side: one rotary pass over both
+            qk = self.rotary.rotate(positions, qkv[:, :self.q_size + self.kv_size].view(
+                -1, s.num_heads + s.num_kv_heads, s.head_dim))
+            q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
+        out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
