@@ -41,11 +41,15 @@ def run(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
+                                           help="With --json: each output token's logprob and N alternatives."),
 ) -> None:
     model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")
+    if logprobs is not None and (not as_json or session is not None or continue_last):
+        raise UserError("--logprobs is reported in --json output: add --json (not with --session/-c)")
     if file is not None and prompt is not None:
         raise UserError("give a prompt or --file, not both")
     if session is not None or continue_last:
@@ -61,7 +65,7 @@ def run(
     for i, job in enumerate(jobs):
         overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
         params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
-        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants)
+        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, logprobs=logprobs)
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
@@ -192,9 +196,14 @@ def _print_plain(outputs, batch: bool) -> None:
 
 
 def _json_report(engine, model_name, outputs, batch, start, first_token_at, total) -> dict:
+    def output(v):
+        item = {"text": v.text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
+        if v.logprobs is not None:
+            item["logprobs"] = _logprobs_json(engine.tokenizer, v.logprobs)
+        return item
+
     def result(out):
-        return {"outputs": [{"text": v.text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
-                            for v in out.outputs],
+        return {"outputs": [output(v) for v in out.outputs],
                 "usage": {"prompt_tokens": out.num_prompt_tokens,
                           "completion_tokens": sum(len(v.token_ids) for v in out.outputs)}}
 
@@ -215,3 +224,10 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
     if any(o.error for o in outputs):
         report["errors"] = [o.error for o in outputs]
     return report
+
+
+def _logprobs_json(tokenizer, entries) -> list[dict]:
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token": tokenizer.decode([token_id]), "token_id": token_id, "logprob": logprob}
+
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]

@@ -21,6 +21,7 @@ import torch
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.detokenizer import decode_new_text
+from pagedchat.engine.logprobs import TokenLogprob, reduce_rows
 from pagedchat.engine.runner import ModelRunner
 from pagedchat.engine.sampler import Sampler, variant_generator
 from pagedchat.engine.sampling_params import SamplingParams
@@ -38,6 +39,8 @@ class TokenEvent:
     text: str                  # new text this step (held back while it could still become a stop string)
     finish_reason: str | None = None   # stop | length | abort | error
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # for token_ids, when the request asks for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None   # on a variant's first token, when asked for (echo)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class CompletionOutput:
     finish_reason: str | None
     handle: Sequence | None = None     # pinned sequence (keep=True): pass as `parent` to continue from it
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when asked for
 
     @property
     def token_ids_all(self) -> list[int]:
@@ -65,6 +69,7 @@ class RequestOutput:
     ttft_s: float | None
     total_s: float | None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None   # for prompt tokens 1.. (echo), when asked for
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -154,7 +159,8 @@ class Engine:
         """A new request continuing a running or pinned sequence from its current tokens. The child shares
         every block; the first write into the shared partial block copies that one block."""
         assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
-        params = (params or handle.request.params).with_(n=1)
+        # a fork starts from computed KV: there is no prompt left to score
+        params = (params or handle.request.params).with_(n=1, prompt_logprobs=None)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
         child = Sequence(request, 0, handle.token_ids)
@@ -203,11 +209,27 @@ class Engine:
         if logits is None:
             return events
         logits, samplers = self._fork_variants(logits, samplers)
-        tokens = self.sampler(logits, samplers)
+        scores = self.sampler.scores(logits, samplers)
+        tokens = self.sampler.pick(scores, samplers)
+        logprobs = self._token_logprobs(scores, samplers, tokens)
         now = time.perf_counter()
-        for seq, token in zip(samplers, tokens):
-            events.append(self._append_token(seq, token, now))
+        for seq, token, logprob in zip(samplers, tokens, logprobs):
+            events.append(self._append_token(seq, token, now, logprob))
         return events
+
+    def _token_logprobs(self, scores: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
+        """Each chosen token's log-probability and top alternatives, for the rows that ask (else None)."""
+        rows = [i for i, s in enumerate(seqs) if s.request.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        if not rows:
+            return out
+        k = max(seqs[i].request.params.logprobs for i in rows)
+        index = torch.tensor(rows, device=scores.device)
+        chosen = torch.tensor([tokens[i] for i in rows], device=scores.device)
+        for i, reduced in zip(rows, reduce_rows(scores[index], chosen, k)):
+            reduced.top = reduced.top[:seqs[i].request.params.logprobs]
+            out[i] = reduced
+        return out
 
     def _fork_variants(self, logits: torch.Tensor, samplers: list[Sequence]):
         """After a prompt's prefill, its n variants become forks sharing every block of it."""
@@ -233,10 +255,13 @@ class Engine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, seqs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> TokenEvent:
+    def _append_token(self, seq: Sequence, token: int, now: float,
+                      logprob: TokenLogprob | None = None) -> TokenEvent:
         request, params = seq.request, seq.request.params
         request.first_token_time = request.first_token_time or now
         seq.token_ids.append(token)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         shown = len(seq.text)
         decode_new_text(self.tokenizer, seq)
         reason = None
@@ -255,7 +280,10 @@ class Engine:
         held = 0 if reason or not params.stop else max(len(s) for s in params.stop) - 1
         visible = max(seq.emitted, len(seq.text) - held)
         text, seq.emitted = seq.text[seq.emitted:visible], visible
-        return TokenEvent(request.request_id, seq.index, [token], text, reason)
+        prompt_logprobs = list(request.prompt_logprobs) \
+            if params.prompt_logprobs is not None and seq.num_output_tokens == 1 else None
+        return TokenEvent(request.request_id, seq.index, [token], text, reason,
+                          logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs)
 
     def _cut_at_stop_string(self, seq: Sequence, shown: int) -> bool:
         stops = seq.request.params.stop
@@ -286,13 +314,16 @@ class Engine:
     # -- outputs --------------------------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:
         r = self.requests[request_id]
+        wants_logprobs = r.params.logprobs is not None
         outputs = [CompletionOutput(s.index, s.output_ids, s.text, s.finish_reason,
-                                    s if s.status == SeqStatus.PINNED else None, s.error)
+                                    s if s.status == SeqStatus.PINNED else None, s.error,
+                                    list(s.logprobs) if wants_logprobs else None)
                    for s in sorted(r.sequences, key=lambda s: s.index)]
         ttft = r.first_token_time - r.arrival_time if r.first_token_time else None
         total = r.finish_time - r.arrival_time if r.finish_time else None
+        prompt_logprobs = list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
         return RequestOutput(r.request_id, r.prompt_token_ids, outputs, r.finished, r.prefix_hit_tokens or 0,
-                             ttft, total, r.error)
+                             ttft, total, r.error, prompt_logprobs)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         out = self.get_output(request_id)

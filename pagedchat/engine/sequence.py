@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedchat.engine.logprobs import TokenLogprob
 from pagedchat.engine.sampling_params import SamplingParams
 
 
@@ -41,6 +42,7 @@ class Sequence:
         self.emitted = 0                    # characters of text already streamed
         self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
         self.detok_stream = None            # fast-tokenizer DecodeStream
+        self.logprobs: list[TokenLogprob] = []   # one per output token when the request asks for logprobs
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +55,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Prompt log-probabilities need every prompt position's hidden state: no cached prefix then."""
+        return self.request.params.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:
@@ -76,6 +83,8 @@ class Request:
     prefix_hit_tokens: int | None = None  # set at first admission
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
+    # prompt_logprobs[i] scores prompt token i + 1 (the first token has no context to be scored against)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagedchat.engine import SamplingParams
 from pagedchat.errors import UserError
 from pagedchat.serve.async_engine import AsyncEngine, Done, GroupFailed, RequestGroup, Token
+from pagedchat.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
 from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_messages,
                                       check_extra_fields, completion_prompts, error_payload, stop_strings,
                                       validation_error)
@@ -112,6 +113,10 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         if settings.system_prompt and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": settings.system_prompt})
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, settings)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        top = body.top_logprobs or 0
+        params = params.with_(logprobs=top if body.logprobs else None)
 
         def prompt_ids(engine) -> list[int]:
             from pagedchat.settings import render_chat
@@ -119,7 +124,8 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
             return _checked(engine, render_chat(engine, messages, settings.template_kwargs), "messages")
 
         group = await _submit(aengine, [prompt_ids], params, "messages")
-        reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True)
+        reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True, text=TokenText(aengine.engine.tokenizer),
+                       top_logprobs=top)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _EventStream(reply.stream(group, include_usage), group)
@@ -131,6 +137,8 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         check_model(body.model)
         check_extra_fields(body)
         params = _sampling_params(body, body.max_tokens, settings)
+        params = params.with_(logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None)
+        prompts = completion_prompts(body)
 
         def raw_ids(prompt):
             def build(engine) -> list[int]:
@@ -138,8 +146,12 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
                 return _checked(engine, ids, "prompt")
             return build
 
-        group = await _submit(aengine, [raw_ids(p) for p in completion_prompts(body)], params, "prompt")
-        reply = _Reply("cmpl", settings.model_name, body.n, chat=False)
+        group = await _submit(aengine, [raw_ids(p) for p in prompts], params, "prompt")
+        text = TokenText(aengine.engine.tokenizer)
+        prompt_texts = [p if isinstance(p, str) else text.tokenizer.decode(p) for p in prompts] \
+            if body.echo or body.logprobs is not None else None
+        reply = _Reply("cmpl", settings.model_name, body.n, chat=False, text=text, prompt_texts=prompt_texts,
+                       echo=bool(body.echo))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _EventStream(reply.stream(group, include_usage), group)
@@ -238,25 +250,51 @@ async def _disconnected(request: Request) -> None:
 class _Reply:
     """Builds the response body (or the SSE chunks) of one call from its outputs."""
 
-    def __init__(self, prefix: str, model: str, n: int, chat: bool):
+    def __init__(self, prefix: str, model: str, n: int, chat: bool, text: TokenText | None = None,
+                 top_logprobs: int = 0, prompt_texts: list[str] | None = None, echo: bool = False):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.n, self.chat = model, n, chat
         self.object = "chat.completion" if chat else "text_completion"
+        self.text, self.top_logprobs = text, top_logprobs
+        self.prompt_texts, self.echo = prompt_texts, echo
 
-    def _choice(self, index: int, text: str | None, finish_reason: str | None, delta: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, delta: bool = False,
+                logprobs: dict | None = None) -> dict:
         if not self.chat:
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if delta:
-            return {"index": index, "delta": {"content": text} if text is not None else {}, "logprobs": None,
+            return {"index": index, "delta": {"content": text} if text is not None else {}, "logprobs": logprobs,
                     "finish_reason": finish_reason}
         return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None, "finish_reason": finish_reason}
+                "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _logprobs(self, slot: int, entries, prompt_entries=None, prompt_ids=None, offset: int = 0) -> dict | None:
+        """One choice's (or one chunk's) logprobs; prompt_entries: echo's scored prompt tokens."""
+        if entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.text, entries, self.top_logprobs)
+        parts = []
+        if prompt_entries is not None:
+            parts.append(completion_logprobs(self.text, prompt_entries, 0, echo_first=prompt_ids[0]))
+        parts.append(completion_logprobs(self.text, entries, offset))
+        return merge_completion_logprobs(parts)
+
+    def _echoed(self, slot: int) -> str:
+        return self.prompt_texts[slot] if self.echo else ""
 
     def full(self, outputs) -> dict:
         _raise_output_error(outputs)
-        choices = [self._choice(slot * self.n + c.index, c.text, _finish(c.finish_reason))
-                   for slot, out in enumerate(outputs) for c in out.outputs]
+        choices = []
+        for slot, out in enumerate(outputs):
+            for c in out.outputs:
+                prompt_len = len(self.prompt_texts[slot]) if self.prompt_texts else 0
+                logprobs = self._logprobs(slot, c.logprobs, out.prompt_logprobs if self.echo else None,
+                                          out.prompt_token_ids, prompt_len)
+                text = self._echoed(slot) + c.text if not self.chat else c.text
+                choices.append(self._choice(slot * self.n + c.index, text, _finish(c.finish_reason),
+                                            logprobs=logprobs))
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": _usage(outputs), "system_fingerprint": None}
 
@@ -269,6 +307,7 @@ class _Reply:
 
     async def stream(self, group: RequestGroup, include_usage: bool):
         slots = len(group.outputs)
+        offsets: dict[int, int] = {}     # choice -> characters streamed so far (completions text_offset)
         if self.chat:   # OpenAI opens every choice with its role
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None} for i in range(slots * self.n)])
@@ -280,8 +319,18 @@ class _Reply:
                 if not isinstance(item, Token) or item.event.finish_reason == "error":
                     continue
                 event, index = item.event, item.slot * self.n + item.event.index
-                if event.text:
-                    yield self._chunk([self._choice(index, event.text, None, delta=True)])
+                if index not in offsets:
+                    offsets[index] = len(self.prompt_texts[item.slot]) if self.prompt_texts else 0
+                    if self.echo:
+                        echo = self._logprobs(item.slot, [] if event.logprobs is not None else None,
+                                              event.prompt_logprobs, group.prompt_ids[item.slot])
+                        yield self._chunk([self._choice(index, self.prompt_texts[item.slot], None, delta=True,
+                                                        logprobs=echo)])
+                        offsets[index] = len(self.prompt_texts[item.slot])
+                logprobs = self._logprobs(item.slot, event.logprobs, offset=offsets[index])
+                if event.text or logprobs is not None:
+                    yield self._chunk([self._choice(index, event.text, None, delta=True, logprobs=logprobs)])
+                offsets[index] += len(event.text)
                 if event.finish_reason:
                     yield self._chunk([self._choice(index, None if self.chat else "", _finish(event.finish_reason),
                                                     delta=True)])

@@ -11,6 +11,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
+
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -66,11 +68,15 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class CompletionRequest(_GenerationRequest):
     # A string, a list of strings (a batch), token ids, or a list of token-id lists (a batch).
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # alternatives per token
+    echo: Optional[bool] = False                                       # the prompt (and its scores) first
 
 
 # -- fields OpenAI defines that we do not implement -----------------------------------------------------------
@@ -86,8 +92,6 @@ def _none_or(*values):
 NOOP_FIELDS: dict[str, tuple[Any, str]] = {
     "presence_penalty": (_none_or(0, 0.0), "only 0 is supported; use repetition_penalty instead"),
     "frequency_penalty": (_none_or(0, 0.0), "only 0 is supported; use repetition_penalty instead"),
-    "logprobs": (_none_or(False, 0), "logprobs are not supported"),
-    "top_logprobs": (_none_or(0), "logprobs are not supported"),
     "logit_bias": (_none_or({}), "logit_bias is not supported"),
     "tools": (_none_or([]), "tool calling is not supported"),
     "tool_choice": (_none_or("none", "auto"), "tool calling is not supported"),
@@ -100,7 +104,6 @@ NOOP_FIELDS: dict[str, tuple[Any, str]] = {
     "web_search_options": (_none_or(), "web search is not supported"),
     "reasoning_effort": (_none_or(), "reasoning_effort is not supported"),
     "verbosity": (_none_or(), "verbosity is not supported"),
-    "echo": (_none_or(False), "echo is not supported"),
     "suffix": (_none_or(""), "suffix (insertion) is not supported"),
     "best_of": (None, "best_of must equal n"),       # checked against n below
 }

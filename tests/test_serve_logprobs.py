@@ -1,0 +1,92 @@
+"""Logprobs and echo through the server, checked against transformers' log_softmax: token-id prompts (and
+lists of them) with echo as lm-eval sends them, chat top_logprobs, streaming equal to non-streaming."""
+
+import httpx
+import openai
+import pytest
+import torch
+
+from serve_util import serving_model
+
+NAME = "tiny"
+PROMPTS = [[5, 17, 40, 99, 123, 7, 250, 31, 64], [9, 44, 101, 6, 260, 33, 12, 12, 90, 18, 200]]
+
+
+@pytest.fixture(scope="module")
+def server(model_dirs):
+    with serving_model(model_dirs["llama"][0], NAME) as (url, engine):
+        yield url, engine.tokenizer, model_dirs["llama"][1]
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server[0], api_key="none", timeout=60, max_retries=0)
+
+
+def reference(hf, ids):
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_echo_logprobs_of_token_id_prompts_equal_transformers(server, client):
+    """lm-eval's log-likelihood request: a batch of token-id prompts, max_tokens 1, logprobs 1, echo."""
+    url, tokenizer, hf = server
+    out = client.completions.create(model=NAME, prompt=PROMPTS, max_tokens=1, logprobs=1, echo=True,
+                                    temperature=0)
+    assert len(out.choices) == 2
+    for prompt, choice in zip(PROMPTS, sorted(out.choices, key=lambda c: c.index)):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(prompt) + 1 and lp.token_logprobs[0] is None
+        assert lp.top_logprobs[0] is None
+        generated = reference(hf, prompt)[-1].argmax().item()
+        full = prompt + [generated]
+        ref = reference(hf, full)
+        expected = [ref[p, full[p + 1]].item() for p in range(len(full) - 1)]
+        assert lp.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+        assert choice.text.startswith(tokenizer.decode(prompt))
+        assert lp.tokens == [tokenizer.decode([t]) for t in full]
+        # the chosen token is always among the top entries; greedy means it is the best one
+        assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_completion_stream_with_echo_equals_full_response(server, client):
+    kw = dict(model=NAME, prompt=PROMPTS[1], max_tokens=5, logprobs=3, echo=True, temperature=0)
+    full = client.completions.create(**kw).choices[0]
+    text, tokens, logprobs = "", [], []
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            text += c.text
+            if c.logprobs is not None:
+                tokens += c.logprobs.tokens
+                logprobs += c.logprobs.token_logprobs
+    assert text == full.text
+    assert tokens == full.logprobs.tokens
+    assert logprobs == full.logprobs.token_logprobs
+
+
+def test_chat_logprobs_and_top_logprobs(server, client):
+    hf = server[2]
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "hello world"}], max_tokens=6, temperature=0,
+              logprobs=True, top_logprobs=4)
+    out = client.chat.completions.create(**kw)
+    content = out.choices[0].logprobs.content
+    assert len(content) == out.usage.completion_tokens
+    assert all(len(c.top_logprobs) == 4 and c.logprob == c.top_logprobs[0].logprob for c in content)
+    assert "".join(c.token for c in content) == out.choices[0].message.content
+    streamed = [c for chunk in client.chat.completions.create(stream=True, **kw) for choice in chunk.choices
+                if choice.logprobs is not None for c in choice.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"prompt": "hi", "logprobs": 30}, "logprobs"),
+])
+def test_bad_logprobs_requests_are_400(server, body, param):
+    path = "/chat/completions" if "messages" in body else "/completions"
+    r = httpx.post(server[0] + path, json={"model": NAME, **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
