@@ -20,7 +20,7 @@ from pagedchat.chat.turns import Templater
 from pagedchat.settings import SamplingOptions, resolve_sampling
 from pagedchat.errors import UserError
 
-SET_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty", "stop")
+SET_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty", "stop", "schema")
 _SET_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int, "seed": int,
               "repetition_penalty": float, "stop": list}
 FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
@@ -59,6 +59,7 @@ class ChatController:
         self.current: Session | None = None
         self.stop_requested = False                 # set by the shell's Ctrl-C handler
         self.last_stats: dict | None = None
+        self.schema: tuple[str, object] | None = None   # (/set schema FILE, its GrammarSpec): replies follow it
 
     @property
     def session(self) -> Session:
@@ -147,6 +148,8 @@ class ChatController:
         """`/set KEY VALUE`: validated like SamplingParams; `default` removes the override."""
         if key not in SET_KEYS:
             raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}")
+        if key == "schema":
+            return self._set_schema(value.strip())
         s = self.session
         keys = s.set_keys
         if value.strip().lower() == "default":
@@ -163,6 +166,19 @@ class ChatController:
         if key in self.cli.given():
             message += f" (but --{key.replace('_', '-')} {_show(self.cli.given()[key])} on the command line wins)"
         return message
+
+    def _set_schema(self, path: str) -> str:
+        """`/set schema FILE`: every reply is constrained to this JSON schema (checked now, so an unsupported
+        one is refused here); `/set schema default` (or off) lifts it."""
+        if path.lower() in ("default", "off"):
+            self.schema = None
+            return "schema off: replies are free text"
+        from pagedchat.engine.grammar import GrammarSpec
+
+        spec = GrammarSpec.from_schema_file(path)
+        self.engine.grammars().matcher(spec)
+        self.schema = (path, spec)
+        return f"schema = {path}: every reply is JSON valid for it"
 
     def set_system(self, text: str | None) -> str:
         """A new system prompt starts a new branch from the top (the old conversation stays in the tree)."""
@@ -272,6 +288,7 @@ class ChatController:
         """Sampling for a turn. Variants (n > 1) and regenerations (vary) at temperature 0 would all be the
         same reply, so they sample at the model's own temperature (or FORK_TEMPERATURE) and say so."""
         params, sources = self.sampling(n)
+        params = params.with_(grammar=self.schema[1] if self.schema else None)
         notes = []
         if (n > 1 or vary) and params.temperature == 0:
             lower = self.entry.sampling_defaults().get("temperature")

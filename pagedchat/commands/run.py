@@ -43,6 +43,8 @@ def run(
     max_context: Optional[int] = common.MAX_CONTEXT,
     logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
                                            help="With --json: each output token's logprob and N alternatives."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE",
+                                               help="Constrain every output to this JSON schema."),
 ) -> None:
     model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
@@ -50,6 +52,8 @@ def run(
         raise UserError(f"-n must be >= 1, got {num_variants}")
     if logprobs is not None and (not as_json or session is not None or continue_last):
         raise UserError("--logprobs is reported in --json output: add --json (not with --session/-c)")
+    if json_schema is not None and (session is not None or continue_last):
+        raise UserError("--json-schema is for one-shot prompts, not --session/-c (in chat: /set schema FILE)")
     if file is not None and prompt is not None:
         raise UserError("give a prompt or --file, not both")
     if session is not None or continue_last:
@@ -58,6 +62,7 @@ def run(
         text = _prompt_text(prompt)
         code = run_in_session(model_opts, sampling, text, session, continue_last, system, num_variants, as_json)
         raise typer.Exit(code)
+    grammar = _schema_grammar(json_schema)
     jobs = _read_batch(file) if file is not None else [{"prompt": _prompt_text(prompt)}]
     engine, entry = common.load_engine(model_opts, show_progress=not as_json)
     default_system = system if system is not None else entry.get("system_prompt").value
@@ -65,12 +70,21 @@ def run(
     for i, job in enumerate(jobs):
         overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
         params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
-        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, logprobs=logprobs)
+        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, logprobs=logprobs,
+                              grammar=grammar)
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
     code = _generate(engine, entry.name, requests, as_json, batch=file is not None)
     raise typer.Exit(code)
+
+
+def _schema_grammar(path: Path | None):
+    if path is None:
+        return None
+    from pagedchat.engine.grammar import GrammarSpec
+
+    return GrammarSpec.from_schema_file(path)
 
 
 def _prompt_text(prompt: str | None) -> str:

@@ -21,6 +21,7 @@ import torch
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.detokenizer import decode_new_text
+from pagedchat.engine.grammar import Grammars
 from pagedchat.engine.logprobs import TokenLogprob, reduce_rows
 from pagedchat.engine.runner import ModelRunner
 from pagedchat.engine.sampler import Sampler, variant_generator
@@ -104,6 +105,7 @@ class Engine:
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._grammars: Grammars | None = None
 
     @property
     def device(self) -> torch.device:
@@ -115,6 +117,20 @@ class Engine:
             raise RequestError(f"model {self.loaded.path} has no tokenizer: pass token ids")
         return list(self.tokenizer(text).input_ids)
 
+    def grammars(self) -> Grammars:
+        """The structured-output backend, built on first use (it loads llguidance and wraps the tokenizer)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _matcher(self, params: SamplingParams, inherit: Sequence | None = None):
+        """The grammar state a new sequence starts in: a copy of `inherit`'s when it follows the same grammar."""
+        if params.grammar is None:
+            return None
+        if inherit is not None and inherit.matcher is not None and inherit.request.params.grammar == params.grammar:
+            return inherit.matcher.deep_copy()
+        return self.grammars().matcher(params.grammar)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, keep: bool = False, parent: Sequence | None = None) -> str:
         """Queue a prompt (text is encoded raw, no template). keep=True pins each finished variant's blocks;
@@ -125,8 +141,10 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        matcher = self._matcher(params)          # an unsupported grammar fails here, before anything is queued
         request = Request(request_id, ids, params, keep=keep)
         seq = Sequence(request, 0, ids)
+        seq.matcher = matcher
         seq.generator = variant_generator(params.seed, 0, self.device)
         seq.parent = parent if parent is not None and parent.status == SeqStatus.PINNED else None
         request.sequences.append(seq)
@@ -168,6 +186,7 @@ class Engine:
         child.block_hashes = list(handle.block_hashes)
         child.num_computed = handle.num_computed
         child.generator = variant_generator(params.seed, 0, self.device)
+        child.matcher = self._matcher(params, inherit=handle)
         request.sequences.append(child)
         request.prefix_hit_tokens = child.num_computed
         self.requests[request_id] = request
@@ -210,7 +229,9 @@ class Engine:
             return events
         logits, samplers = self._fork_variants(logits, samplers)
         scores = self.sampler.scores(logits, samplers)
-        tokens = self.sampler.pick(scores, samplers)
+        matchers = [s.matcher for s in samplers]
+        allowed = self.grammars().mask(scores, matchers) if any(m is not None for m in matchers) else scores
+        tokens = self.sampler.pick(allowed, samplers)
         logprobs = self._token_logprobs(scores, samplers, tokens)
         now = time.perf_counter()
         for seq, token, logprob in zip(samplers, tokens, logprobs):
@@ -246,6 +267,7 @@ class Engine:
                 child.block_hashes = list(seq.block_hashes)
                 child.num_computed = seq.num_computed
                 child.generator = variant_generator(request.params.seed, index, self.device)
+                child.matcher = self._matcher(request.params, inherit=seq)
                 request.sequences.append(child)
                 self.scheduler.add_running(child)
                 rows.append(row)
@@ -265,8 +287,13 @@ class Engine:
         shown = len(seq.text)
         decode_new_text(self.tokenizer, seq)
         reason = None
+        if seq.matcher is not None:
+            accepted = seq.matcher.consume_token(token)
+            assert accepted, f"a masked token was refused by the grammar: {seq.matcher.get_error()}"
         if not params.ignore_eos and token in self.eos_token_ids or token in params.stop_token_ids:
             reason = "stop"
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"             # the grammar is complete: nothing more may follow
         elif self._cut_at_stop_string(seq, shown):
             reason = "stop"
         elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from pagedchat.engine.grammar import GrammarSpec
 from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
 from pagedchat.errors import UserError
 
@@ -24,6 +25,7 @@ class SamplingParams:
     n: int = 1                      # variants: the prompt is prefilled once, the n children are forks
     logprobs: int | None = None     # per generated token: its logprob and this many alternatives (0 = none)
     prompt_logprobs: int | None = None   # the same for every prompt token (echo); turns off prefix reuse
+    grammar: GrammarSpec | None = None   # structured output: every token is masked to what it allows
 
     def __post_init__(self):
         if isinstance(self.stop, str):

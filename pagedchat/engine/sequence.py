@@ -43,6 +43,7 @@ class Sequence:
         self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
         self.detok_stream = None            # fast-tokenizer DecodeStream
         self.logprobs: list[TokenLogprob] = []   # one per output token when the request asks for logprobs
+        self.matcher = None                 # llguidance matcher of the request's grammar, at this output
 
     @property
     def num_tokens(self) -> int:

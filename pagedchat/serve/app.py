@@ -20,12 +20,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedchat.engine import SamplingParams
+from pagedchat.engine.grammar import GrammarError
 from pagedchat.errors import UserError
 from pagedchat.serve.async_engine import AsyncEngine, Done, GroupFailed, RequestGroup, Token
 from pagedchat.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
 from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_messages,
-                                      check_extra_fields, completion_prompts, error_payload, stop_strings,
-                                      validation_error)
+                                      check_extra_fields, completion_prompts, error_payload, response_grammar,
+                                      stop_strings, validation_error)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
 
@@ -175,7 +176,8 @@ def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> S
         values["max_tokens"] = max_tokens
     stops = stop_strings(settings.sampling_defaults.get("stop")) + stop_strings(body.stop)
     try:
-        return SamplingParams(**values, stop=list(dict.fromkeys(stops)), n=body.n, ignore_eos=body.ignore_eos)
+        return SamplingParams(**values, stop=list(dict.fromkeys(stops)), n=body.n, ignore_eos=body.ignore_eos,
+                              grammar=response_grammar(body.response_format))
     except UserError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -201,6 +203,8 @@ async def _submit(aengine: AsyncEngine, prompts, params: SamplingParams, param: 
         return await aengine.add(prompts, params)
     except APIError:
         raise
+    except GrammarError as e:
+        raise APIError(400, str(e), param="response_format") from None
     except UserError as e:    # engine checks on the prompt: empty, token ids outside the vocabulary, ...
         raise APIError(400, str(e), param=param) from None
     except Exception as e:

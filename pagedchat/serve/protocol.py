@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedchat.engine.grammar import GrammarSpec
 from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
 
 
@@ -56,6 +57,7 @@ class _GenerationRequest(BaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    response_format: Optional[dict[str, Any]] = None    # text | json_object | json_schema (completions too)
 
 
 class ChatMessage(BaseModel):
@@ -97,7 +99,6 @@ NOOP_FIELDS: dict[str, tuple[Any, str]] = {
     "tool_choice": (_none_or("none", "auto"), "tool calling is not supported"),
     "functions": (_none_or([]), "function calling is not supported"),
     "function_call": (_none_or("none", "auto"), "function calling is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "only {\"type\": \"text\"} is supported"),
     "modalities": (_none_or(["text"]), "only text is supported"),
     "audio": (_none_or(), "audio output is not supported"),
     "prediction": (_none_or(), "predicted outputs are not supported"),
@@ -163,6 +164,25 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     if any(not p for p in prompt):
         raise APIError(400, "prompt must not contain empty prompts", param="prompt")
     return list(prompt)
+
+
+def response_grammar(response_format: dict | None) -> GrammarSpec | None:
+    """OpenAI's response_format as a grammar: text (none), json_object, or json_schema {name, schema, strict}."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise APIError(400, "response_format.json_schema must be an object with a \"schema\" object",
+                           param="response_format.json_schema")
+        return GrammarSpec.json_schema(spec.get("schema", {}))
+    raise APIError(400, f"response_format type {kind!r} is not supported: use text, json_object or json_schema",
+                   param="response_format.type")
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Decode throughput with a JSON schema vs without, in the same process, alternating runs, medians; and the
+per-token mask cost of the two grammar libraries considered (llguidance, used; xgrammar, measured only).
+
+    python scripts/bench_structured.py [--model PATH] [--batch 8] [--tokens 64] [--rounds 5]
+
+Both modes decode the same number of tokens per sequence (ignore_eos; the schema is a long array, so the
+grammar is still open at the end): tokens/s compare like with like.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "pagedchat" / "assets" / "demo-chat"
+SCHEMA = {"type": "object", "properties": {"ids": {"type": "array", "minItems": 500, "items": {
+    "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                     "ok": {"type": "boolean"}}, "required": ["id", "ok"],
+    "additionalProperties": False}}}, "required": ["ids"], "additionalProperties": False}
+
+
+def decode_rate(engine, prompt, params, batch: int) -> float:
+    start = time.perf_counter()
+    outs = engine.generate([prompt] * batch, params)
+    tokens = sum(len(v.token_ids) for o in outs for v in o.outputs)
+    return tokens / (time.perf_counter() - start)
+
+
+def engine_ratio(args) -> dict:
+    from pagedchat.engine import Engine, EngineConfig, SamplingParams
+    from pagedchat.engine.grammar import GrammarSpec
+
+    engine = Engine(EngineConfig(model=str(args.model), device="cpu"), show_progress=False)
+    prompt = engine.encode("Give me the list as JSON.")
+    plain = SamplingParams(temperature=1.0, seed=0, max_tokens=args.tokens, ignore_eos=True)
+    constrained = plain.with_(grammar=GrammarSpec.json_schema(SCHEMA))
+    decode_rate(engine, prompt, constrained, args.batch)   # warm-up (first mask, allocator)
+    rates = {"plain": [], "schema": []}
+    for _ in range(args.rounds):
+        rates["plain"].append(decode_rate(engine, prompt, plain, args.batch))
+        rates["schema"].append(decode_rate(engine, prompt, constrained, args.batch))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {"tokens_per_s": med, "ratio": med["schema"] / med["plain"], "runs": rates}
+
+
+def mask_cost(args) -> dict:
+    """Microseconds per token to compute one mask (+ apply it), random walk through the schema."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    vocab = len(tokenizer)
+    out = {"vocab": vocab}
+    import llguidance
+    import llguidance.hf
+
+    from pagedchat.engine.grammar import Grammars, GrammarSpec
+
+    grammars = Grammars(tokenizer, vocab, {tokenizer.eos_token_id})
+    matcher = grammars.matcher(GrammarSpec.json_schema(SCHEMA))
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(args.tokens * 4):
+        logits = torch.randn((1, vocab), generator=gen)
+        t = time.perf_counter()
+        masked = grammars.mask(logits, [matcher])
+        times.append(time.perf_counter() - t)
+        assert matcher.consume_token(int(masked.argmax()))
+    out["llguidance_us"] = statistics.median(times) * 1e6
+    del llguidance
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        return out
+    t = time.perf_counter()
+    compiled = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab)) \
+        .compile_json_schema(json.dumps(SCHEMA))
+    out["xgrammar_compile_ms"] = (time.perf_counter() - t) * 1e3
+    matcher = xgr.GrammarMatcher(compiled)
+    bitmask = xgr.allocate_token_bitmask(1, vocab)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for _ in range(args.tokens * 4):
+        logits = torch.randn((1, vocab), generator=gen)
+        t = time.perf_counter()
+        matcher.fill_next_token_bitmask(bitmask)
+        xgr.apply_token_bitmask_inplace(logits, bitmask)
+        times.append(time.perf_counter() - t)
+        assert matcher.accept_token(int(logits.argmax()))
+    out["xgrammar_us"] = statistics.median(times) * 1e6
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    print(json.dumps({"threads": torch.get_num_threads(), "batch": args.batch, "tokens": args.tokens,
+                      "engine": engine_ratio(args), "mask": mask_cost(args)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
