@@ -150,3 +150,29 @@ def test_unsupported_response_format_is_400(server, response_format, message):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"].startswith("response_format") and message in error["message"]
+
+
+# -- embeddings and usage ---------------------------------------------------------------------------------------
+def test_embeddings_are_mean_pooled_last_hidden_states(server, client):
+    tokenizer, hf = server[1], server[2]
+    texts = ["hello world", "the quick brown fox jumps over the lazy dog"]
+    out = client.embeddings.create(model=NAME, input=texts)
+    ids_out = client.embeddings.create(model=NAME, input=[PROMPTS[0]])
+    assert [d.index for d in out.data] == [0, 1]
+    for text, item in zip(texts + [PROMPTS[0]], out.data + ids_out.data):
+        ids = tokenizer(text).input_ids if isinstance(text, str) else text
+        with torch.no_grad():
+            ref = hf.model(torch.tensor([ids])).last_hidden_state[0].mean(dim=0)
+        assert item.embedding == pytest.approx(ref.tolist(), abs=1e-4)
+    assert out.usage.prompt_tokens == sum(len(tokenizer(t).input_ids) for t in texts)
+    floats = httpx.post(server[0] + "/embeddings", json={"model": NAME, "input": "hello world"}, timeout=30).json()
+    assert floats["data"][0]["embedding"] == pytest.approx(out.data[0].embedding, abs=1e-6)  # the client used base64
+
+
+def test_stream_options_include_usage_on_both_endpoints(client):
+    chunks = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+    chunks = list(client.completions.create(model=NAME, prompt="hi", max_tokens=3, stream=True, n=2,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 6 and all(c.usage is None for c in chunks[:-1])

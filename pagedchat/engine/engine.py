@@ -71,6 +71,7 @@ class RequestOutput:
     total_s: float | None
     error: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None   # for prompt tokens 1.. (echo), when asked for
+    embedding: list[float] | None = None   # embed: mean of the prompt's last-layer hidden states (final norm)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -180,7 +181,7 @@ class Engine:
         every block; the first write into the shared partial block copies that one block."""
         assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
         # a fork starts from computed KV: there is no prompt left to score
-        params = (params or handle.request.params).with_(n=1, prompt_logprobs=None)
+        params = (params or handle.request.params).with_(n=1, prompt_logprobs=None, embed=False)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
         child = Sequence(request, 0, handle.token_ids)
@@ -351,8 +352,9 @@ class Engine:
         ttft = r.first_token_time - r.arrival_time if r.first_token_time else None
         total = r.finish_time - r.arrival_time if r.finish_time else None
         prompt_logprobs = list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
+        embedding = (r.hidden_sum / r.pooled).float().tolist() if r.params.embed and r.pooled else None
         return RequestOutput(r.request_id, r.prompt_token_ids, outputs, r.finished, r.prefix_hit_tokens or 0,
-                             ttft, total, r.error, prompt_logprobs)
+                             ttft, total, r.error, prompt_logprobs, embedding)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         out = self.get_output(request_id)

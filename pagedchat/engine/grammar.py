@@ -68,7 +68,6 @@ class Grammars:
         self.llg = llguidance
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = vocab_size
-        self.executor = llguidance.LLExecutor(num_threads=1)
         self._compiled: dict[GrammarSpec, str] = {}
 
     def matcher(self, spec: GrammarSpec):
@@ -105,8 +104,8 @@ class Grammars:
             return masked
         words = (self.vocab_size + 31) // 32
         bitmask = torch.empty((len(rows), words), dtype=torch.int32)
-        self.executor.unsafe_compute_mask_ptr([(matchers[i], k) for k, i in enumerate(rows)], bitmask.data_ptr(),
-                                              words * 4, len(rows))
+        for k, i in enumerate(rows):   # in this thread: a worker pool's spinning would steal the model's cores
+            matchers[i].unsafe_compute_mask_ptr(bitmask[k].data_ptr(), words * 4)
         allowed = ((bitmask[:, :, None] >> _BITS) & 1).bool().view(len(rows), -1)[:, :logits.shape[1]]
         index = torch.tensor(rows, device=logits.device)
         masked[index] = masked[index].masked_fill(~allowed.to(logits.device), float("-inf"))

@@ -124,7 +124,20 @@ class ModelRunner:
                 rows = hidden[row + first - seq.num_computed: row + last - seq.num_computed]
                 targets = seq.token_ids[first + 1:last + 1]
                 request.prompt_logprobs.extend(score_prompt_chunk(self.model.compute_logits, rows, targets, k))
+            if request.params.embed:
+                self._pool_prompt(seq, hidden[row:row + n])
             row += n
+
+    @staticmethod
+    def _pool_prompt(seq: Sequence, rows: torch.Tensor) -> None:
+        """Embeddings: add this chunk's prompt positions (not pooled yet) to the request's running sum."""
+        request = seq.request
+        first = max(seq.num_computed, request.pooled)
+        last = min(seq.num_computed + rows.shape[0], seq.num_prompt_tokens)
+        if first < last:
+            chunk = rows[first - seq.num_computed:last - seq.num_computed].double().sum(dim=0)
+            request.hidden_sum = chunk if request.hidden_sum is None else request.hidden_sum + chunk
+            request.pooled = last
 
     def _prepare(self, batch: ScheduledBatch):
         """Flatten the batch into token, position and slot vectors (built as Python lists: per-sequence

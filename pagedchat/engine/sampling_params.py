@@ -26,6 +26,7 @@ class SamplingParams:
     logprobs: int | None = None     # per generated token: its logprob and this many alternatives (0 = none)
     prompt_logprobs: int | None = None   # the same for every prompt token (echo); turns off prefix reuse
     grammar: GrammarSpec | None = None   # structured output: every token is masked to what it allows
+    embed: bool = False             # also mean-pool the prompt's last hidden states (turns off prefix reuse)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -59,8 +59,10 @@ class Sequence:
 
     @property
     def reuses_prefix(self) -> bool:
-        """Prompt log-probabilities need every prompt position's hidden state: no cached prefix then."""
-        return self.request.params.prompt_logprobs is None
+        """Prompt log-probabilities and embeddings need every prompt position's hidden state: no cached
+        prefix then."""
+        params = self.request.params
+        return params.prompt_logprobs is None and not params.embed
 
     @property
     def is_finished(self) -> bool:
@@ -86,6 +88,8 @@ class Request:
     error: str | None = None
     # prompt_logprobs[i] scores prompt token i + 1 (the first token has no context to be scored against)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    hidden_sum: torch.Tensor | None = None   # embed: sum of the prompt's last hidden states so far (fp64)
+    pooled: int = 0                          # prompt positions in hidden_sum
 
     @property
     def num_prompt_tokens(self) -> int:

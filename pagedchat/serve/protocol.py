@@ -72,6 +72,18 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None      # none | auto | required | {"function": ...}
+    parallel_tool_calls: Optional[bool] = None
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -82,8 +94,7 @@ class CompletionRequest(_GenerationRequest):
 
 
 # -- fields OpenAI defines that we do not implement -----------------------------------------------------------
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                  "safety_identifier"}
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 
 
 def _none_or(*values):
@@ -95,8 +106,6 @@ NOOP_FIELDS: dict[str, tuple[Any, str]] = {
     "presence_penalty": (_none_or(0, 0.0), "only 0 is supported; use repetition_penalty instead"),
     "frequency_penalty": (_none_or(0, 0.0), "only 0 is supported; use repetition_penalty instead"),
     "logit_bias": (_none_or({}), "logit_bias is not supported"),
-    "tools": (_none_or([]), "tool calling is not supported"),
-    "tool_choice": (_none_or("none", "auto"), "tool calling is not supported"),
     "functions": (_none_or([]), "function calling is not supported"),
     "function_call": (_none_or("none", "auto"), "function calling is not supported"),
     "modalities": (_none_or(["text"]), "only text is supported"),
@@ -128,15 +137,21 @@ def check_extra_fields(request: _GenerationRequest) -> None:
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict]:
-    """The request's messages as plain {"role", "content"} dicts for the chat template."""
+    """The request's messages as {"role", "content"} dicts for the chat template; an assistant's tool_calls
+    and a tool result's tool_call_id come along (the legacy function-call forms do not)."""
     out = []
     for i, message in enumerate(request.messages):
         extra = message.model_extra or {}
-        if extra.get("tool_calls") or extra.get("function_call") or message.role in ("tool", "function"):
-            raise APIError(400, f"messages[{i}]: tool and function messages are not supported",
+        if extra.get("function_call") or message.role == "function":
+            raise APIError(400, f"messages[{i}]: legacy function messages are not supported: use tools",
                            param=f"messages[{i}]")
         role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": _message_text(message.content, i)})
+        item = {"role": role, "content": _message_text(message.content, i)}
+        if role == "assistant" and extra.get("tool_calls"):
+            item["tool_calls"] = extra["tool_calls"]
+        if role == "tool":
+            item["tool_call_id"] = extra.get("tool_call_id")
+        out.append(item)
     return out
 
 
@@ -152,9 +167,9 @@ def _message_text(content, i: int) -> str:
     return "\n".join(texts)
 
 
-def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
-    """The prompt field as a batch: each item is text (encoded raw) or token ids."""
-    prompt = request.prompt
+def completion_prompts(request: CompletionRequest | EmbeddingRequest) -> list[str | list[int]]:
+    """The prompt (or embeddings input) field as a batch: each item is text (encoded raw) or token ids."""
+    prompt = request.prompt if isinstance(request, CompletionRequest) else request.input
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
