@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pagedchat.engine.grammar import GrammarSpec
 from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
+from pagedchat.settings import MAX_SERVER_VARIANTS
 
 
 class APIError(Exception):
@@ -45,7 +46,7 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_SERVER_VARIANTS)
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)          # -1 or 0 = off
