@@ -24,7 +24,7 @@ from pagedchat.engine.sampling_params import SETTING_KEYS, SETTING_TYPES
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
 
-SET_KEYS = (*SETTING_KEYS, "schema")   # /set takes the sampling settings SamplingParams declares, and a schema
+SET_KEYS = SETTING_KEYS     # /set takes exactly the sampling settings SamplingParams declares (and speculate, schema)
 FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
 MAX_FORK = MAX_FORK_VARIANTS
 CONTEXT_LEAD = 64           # prompt tokens put before a sibling reply, so a draft can match its start
@@ -143,10 +143,10 @@ class ChatController:
         if key == "speculate":  # an engine setting, not a sampling one: it applies from the next turn
             self.backend.set_speculation(value.strip().lower())
             return f"speculate = {value.strip().lower()}"
-        if key not in SET_KEYS:
-            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}, speculate")
-        if key == "schema":
+        if key == "schema":     # a grammar for the replies, not a sampling setting
             return self._set_schema(value.strip())
+        if key not in SET_KEYS:
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}, speculate, schema")
         s = self.session
         keys = s.set_keys
         if value.strip().lower() == "default":
