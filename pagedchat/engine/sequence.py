@@ -44,6 +44,8 @@ class Sequence:
         self.detok_stream = None            # fast-tokenizer DecodeStream
         self.logprobs: list[TokenLogprob] = []   # one per output token when the request asks for logprobs
         self.matcher = None                 # llguidance matcher of the request's grammar, at this output
+        self.draft_ids: list[int] = []      # proposed tokens verified in this step (speculative decoding)
+        self.spec = None                    # speculative.SpecState: acceptance history, n-gram index
 
     @property
     def num_tokens(self) -> int:
@@ -90,6 +92,7 @@ class Request:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     hidden_sum: torch.Tensor | None = None   # embed: sum of the prompt's last hidden states so far (fp64)
     pooled: int = 0                          # prompt positions in hidden_sum
+    context: list[list[int]] = field(default_factory=list)  # related token streams the n-gram drafts search
 
     @property
     def num_prompt_tokens(self) -> int:

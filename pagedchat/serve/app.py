@@ -108,6 +108,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
             "running": engine_stats.running, "waiting": engine_stats.waiting,
             "pinned": engine_stats.pinned, "preemptions": engine_stats.preemptions,
             "requests": counters,
+            **({"spec": engine_stats.spec} if engine_stats.spec is not None else {}),
         }
 
     # -- generation -----------------------------------------------------------------------------------------
@@ -226,7 +227,7 @@ def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> S
     model = {k: (v, "model") for k, v in settings.sampling_defaults.items()}
     try:
         params, _ = merge_sampling(model, {**request, "__source__": "request"})
-        return params.with_(n=body.n, ignore_eos=body.ignore_eos, grammar=response_grammar(body.response_format))
+        return params.with_(n=body.n, ignore_eos=body.ignore_eos, grammar=response_grammar(getattr(body, "response_format", None)))
     except UserError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
