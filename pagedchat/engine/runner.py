@@ -23,16 +23,23 @@ def _available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    spec = loaded.spec
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim \
+        * torch.empty((), dtype=loaded.dtype).element_size()
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, extra_bytes_per_block: int = 0):
+        """extra_bytes_per_block: what each block also costs elsewhere (a draft model's KV for as many
+        tokens), so the memory budget is split between the two by bytes per token."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = config.block_size
         spec = loaded.spec
-        self.bytes_per_block = 2 * spec.num_layers * config.block_size * spec.num_kv_heads * spec.head_dim \
-            * torch.empty((), dtype=loaded.dtype).element_size()
-        self.num_blocks = self._num_blocks(config)
+        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size)
+        self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
         shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
         # Zero-filled: the torch path reads padded slots (masked, but 0 * NaN would still be NaN).
         self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
@@ -45,7 +52,7 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
 
-    def _num_blocks(self, config: EngineConfig) -> int:
+    def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:
             assert config.num_blocks > 0
             return config.num_blocks
@@ -55,7 +62,7 @@ class ModelRunner:
         elif budget is None:
             budget = CPU_DEFAULT_KV_BYTES if config.kv_fraction is None else \
                 int(_available_ram() * config.kv_fraction)
-        num_blocks = budget // self.bytes_per_block
+        num_blocks = budget // (self.bytes_per_block + extra_bytes_per_block)
         if num_blocks < 1:
             raise SettingError("kv_memory", f"{{name}} {budget} bytes holds no KV block: one block of "
                                             f"{self.block_size} tokens needs {self.bytes_per_block} bytes")
