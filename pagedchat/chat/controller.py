@@ -25,7 +25,7 @@ from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
 from pagedchat.words import article
 
-SET_KEYS = SETTING_KEYS     # /set takes exactly the sampling settings SamplingParams declares
+SET_KEYS = SETTING_KEYS     # /set takes exactly the sampling settings SamplingParams declares (and speculate, schema)
 FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
 MAX_FORK = MAX_FORK_VARIANTS
 CHAT_KEYS = {"context_overflow": OVERFLOW_POLICIES}   # /set keys of the chat itself, not of sampling
@@ -61,6 +61,7 @@ class ChatController:
         self.cli_overflow = check_overflow(context_overflow, "--context-overflow")
         self.overflow_default = overflow_default    # the REPL drops the oldest turns; `run --session` stops
         self.on_note = None     # called with notes known before a reply starts (else they come in TurnResult)
+        self.schema: tuple[str, object] | None = None   # (/set schema FILE, its GrammarSpec): replies follow it
 
     @property
     def session(self) -> Session:
@@ -150,10 +151,12 @@ class ChatController:
         if key == "speculate":  # an engine setting, not a sampling one: it applies from the next turn
             self.backend.set_speculation(value.strip().lower())
             return f"speculate = {value.strip().lower()}"
+        if key == "schema":     # a grammar for the replies, not a sampling setting
+            return self._set_schema(value.strip())
         if key in CHAT_KEYS:
             return self._set_chat_option(key, value)
         if key not in SET_KEYS:
-            raise UserError(f"unknown setting {key!r}; keys: {', '.join(ALL_SET_KEYS)}, speculate")
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(ALL_SET_KEYS)}, speculate, schema")
         s = self.session
         keys = s.set_keys
         if value.strip().lower() == "default":
@@ -230,6 +233,19 @@ class ChatController:
         return (f"the next message drops the oldest turns (at least one exchange; they stay in /tree) until the "
                 f"rest fits in half the context (the branch holds {len(s.tree.path_tokens(s.head))} of "
                 f"{self.backend.max_model_len} tokens)")
+
+    def _set_schema(self, path: str) -> str:
+        """`/set schema FILE`: every reply is constrained to this JSON schema (checked now, so an unsupported
+        one is refused here); `/set schema default` (or off) lifts it."""
+        if path.lower() in ("default", "off"):
+            self.schema = None
+            return "schema off: replies are free text"
+        from pagedchat.engine.grammar import GrammarSpec
+
+        spec = GrammarSpec.from_schema_file(path)
+        self.backend.check_grammar(spec)
+        self.schema = (path, spec)
+        return f"schema = {path}: every reply is JSON valid for it"
 
     def set_system(self, text: str | None) -> str:
         """A new system prompt starts a new branch from the top (the old conversation stays in the tree)."""
@@ -378,6 +394,7 @@ class ChatController:
         same reply, so they sample at the model's own temperature (or FORK_TEMPERATURE) and say so."""
         self._apply_think()     # the current session's /think decides what the template is asked
         params, sources = self.sampling(n)
+        params = params.with_(grammar=self.schema[1] if self.schema else None)
         notes = []
         if (n > 1 or vary) and params.temperature == 0:
             lower = self.entry.sampling_defaults().get("temperature")

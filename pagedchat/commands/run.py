@@ -50,6 +50,10 @@ def run(
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
+                                           help="With --json: each output token's logprob and N alternatives."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE",
+                                               help="Constrain every output to this JSON schema."),
 ) -> None:
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
@@ -61,6 +65,10 @@ def run(
         raise UserError(f"-n must be >= 1, got {num_variants}")
     _check_combination(prompt, file, session, continue_last, raw, system)
     common.check_overflow(context_overflow, "--context-overflow")
+    if logprobs is not None and (not as_json or session is not None or continue_last):
+        raise UserError("--logprobs is reported in --json output: add --json (not with --session/-c)")
+    if json_schema is not None and (session is not None or continue_last):
+        raise UserError("--json-schema is for one-shot prompts, not --session/-c (in chat: /set schema FILE)")
     if session is not None or continue_last:
         from pagedchat.chat.oneshot import run_in_session
 
@@ -68,6 +76,7 @@ def run(
         code = run_in_session(model_opts, sampling, text, session, continue_last, system, num_variants, as_json,
                               context_overflow)
         raise typer.Exit(code)
+    grammar = _schema_grammar(json_schema)
     jobs = _read_batch(file) if file is not None else [{"prompt": _prompt_text(prompt)}]
     engine, entry = common.load_engine(model_opts, show_progress=not as_json)
     default_system = system if system is not None else entry.get("system_prompt").value
@@ -75,7 +84,8 @@ def run(
     for i, job in enumerate(jobs):
         overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
         params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
-        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants)
+        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, logprobs=logprobs,
+                              grammar=grammar)
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
@@ -98,6 +108,14 @@ def _check_combination(prompt, file, session, continue_last: bool, raw: bool, sy
         raise UserError(f"{in_session} continues a chat, which uses the chat template; --raw has no template")
     if raw and system is not None:
         raise UserError("--system needs the chat template; --raw has none")
+
+
+def _schema_grammar(path: Path | None):
+    if path is None:
+        return None
+    from pagedchat.engine.grammar import GrammarSpec
+
+    return GrammarSpec.from_schema_file(path)
 
 
 def _prompt_text(prompt: str | None) -> str:
@@ -260,6 +278,8 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
         item = {"text": text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
         if reasoning is not None:
             item["reasoning"] = reasoning    # as OpenAI-compatible servers' reasoning_content
+        if v.logprobs is not None:
+            item["logprobs"] = _logprobs_json(engine.tokenizer, v.logprobs)
         return item
 
     def result(out, i=0):
@@ -287,3 +307,10 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
     if any(o.error for o in outputs):
         report["errors"] = [o.error for o in outputs]
     return report
+
+
+def _logprobs_json(tokenizer, entries) -> list[dict]:
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token": tokenizer.decode([token_id]), "token_id": token_id, "logprob": logprob}
+
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
