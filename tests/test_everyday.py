@@ -287,3 +287,26 @@ def test_history_keeps_reasoning_ids_token_exact(thinking_model, tmp_path):
     assert ctl.templater.decode(second.user.token_ids).endswith("<|im_start|>user\nagain<|im_end|>\n"
                                                                "<|im_start|>assistant\n<think>\n")
     assert second.stats["prompt_cached"] >= len(history) - 16   # the history came from the pinned KV
+
+
+def test_a_model_folder_without_a_vocabulary_says_what_is_missing(pagedchat_cli, model, tmp_path):
+    broken = tmp_path / "m3"
+    shutil.copytree(model, broken)
+    (broken / "tokenizer.json").unlink()
+    code, out, err = pagedchat_cli("run", "-m", str(broken), "hi")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "no vocabulary file (tokenizer.json, tokenizer.model or vocab.json)" in err
+
+
+def test_help_lists_version_and_debug_without_type_labels_on_flags(pagedchat_cli):
+    code, out, _ = pagedchat_cli("--help")
+    assert code == 0 and "--version" in out and "--debug" in out and "<bool>" not in out
+    code, out, _ = pagedchat_cli("run", "--help")
+    assert code == 0 and "--json" in out and "<bool>" not in out
+
+
+def test_bench_without_a_model_uses_the_default_demo_model(tmp_path):
+    from pagedchat.bench.models import resolve_model
+
+    path, name = resolve_model(None, None, "tiny", tmp_path)
+    assert name == "demo" and (path / "config.json").is_file()
