@@ -310,3 +310,29 @@ def test_bench_without_a_model_uses_the_default_demo_model(tmp_path):
 
     path, name = resolve_model(None, None, "tiny", tmp_path)
     assert name == "demo" and (path / "config.json").is_file()
+
+
+def test_server_refuses_an_over_long_chat_unless_the_request_opts_in(model):
+    import httpx
+
+    from serve_util import serving_model
+
+    long_chat = []
+    for i in range(40):
+        long_chat += [{"role": "user", "content": f"question {i} with several more words in it"},
+                      {"role": "assistant", "content": f"answer {i} with several more words in it"}]
+    long_chat.append({"role": "user", "content": "and the last question"})
+    body = {"model": "m", "messages": long_chat, "max_tokens": 4, "temperature": 0}
+    with serving_model(model, "m") as (url, engine):
+        refused = httpx.post(f"{url}/chat/completions", json=body, timeout=60)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["code"] == "context_length_exceeded" and str(engine.max_model_len) in error["message"]
+        kept = httpx.post(f"{url}/chat/completions", json={**body, "context_overflow": "drop-oldest"}, timeout=60)
+        assert kept.status_code == 200, kept.text
+        usage = kept.json()["usage"]
+        assert usage["prompt_tokens"] + 4 <= engine.max_model_len
+        text = httpx.post(f"{url}/completions", timeout=60, json={
+            "model": "m", "prompt": [5 + i % 50 for i in range(3 * engine.max_model_len)], "max_tokens": 2,
+            "context_overflow": "drop-oldest"})
+        assert text.status_code == 200 and text.json()["usage"]["prompt_tokens"] < engine.max_model_len
