@@ -47,7 +47,7 @@ class TurnResult:
 class ChatController:
     def __init__(self, engine, entry, store: SessionStore | None = None, cli: SamplingOptions | None = None,
                  system: str | None = None, context_overflow: str | None = None,
-                 overflow_default: str = "drop-oldest"):
+                 overflow_default: str = "stop"):
         self.engine, self.entry = engine, entry     # the engine is used through self.backend only
         self.backend = ChatBackend(engine)
         self.store = store or SessionStore()
