@@ -296,7 +296,8 @@ class Engine:
                 if seq.spec is not None:
                     self.speculator.record(seq, 0, 0, 1)
                 events.append(self._append_tokens(seq, [token], now, logprob=logprob))
-        if verified:   # never a grammar or logprobs request: those do not speculate
+        if verified:   # never a logprobs request: those do not speculate
+            drafted = self._mask_drafted(drafted, verified)
             for (seq, _, _), (tokens, accepted) in zip(verified, self.speculator.verify(drafted, verified)):
                 events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
@@ -314,6 +315,17 @@ class Engine:
             reduced.top = reduced.top[:seqs[i].request.params.logprobs]
             out[i] = reduced
         return out
+
+    def _mask_drafted(self, logits: torch.Tensor, verified: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """The drafted rows of grammar-constrained sequences masked by the grammar (Grammars.mask_drafted)."""
+        constrained = [(seq, first, n) for seq, first, n in verified if seq.matcher is not None]
+        if not constrained:
+            return logits
+        logits = logits.clone()  # the runner's logits are inference tensors: no in-place update on them
+        for seq, first, n in constrained:
+            logits[first:first + n] = self.grammars().mask_drafted(logits[first:first + n], seq.draft_ids,
+                                                                   seq.matcher)
+        return logits
 
     @staticmethod
     def _split_drafted(logits: torch.Tensor, samplers: list[Sequence]):
