@@ -22,9 +22,9 @@ keeps guessing in the shadow (free), so a sequence that starts repeating text ge
 Batch-aware budget: whether drafts pay depends on the hardware, the batch and the text. At batch 1 a forward
 costs about the same for 1 or 8 positions (memory- or overhead-bound); at batch 16 on a CPU it is
 compute-bound and every verified position costs real time. `DraftBudget` measures it instead of guessing:
-per batch-size class it keeps the tokens per second that steps run under each draft cap (0 = plain decode,
-a shallow cap, the full k) really delivered, timed end to end with proposing and verifying, and runs the best
-cap, re-running the others now and then as their measurements fade. So batch 16 on a CPU backs off to plain
+per batch-size class it keeps the tokens per second that steps with drafts (up to the full k) and plain
+decode steps really delivered, timed end to end with proposing and verifying, and runs the better one,
+re-running the other now and then as its measurement fades. So batch 16 on a CPU backs off to plain
 decode where drafts do not pay, and batch 1 keeps long drafts. And when nothing waits to be admitted, the
 batch lasts as long as its sequence with the most tokens left: a sequence more than one step's drafts ahead of
 it decodes plainly (its drafts would shorten nothing and cost the step), so the batch stays full to the end
@@ -46,9 +46,9 @@ ALPHA_START = 0.7    # a new sequence starts optimistic: its first drafts decide
 ALPHA_RATE = 0.15    # weight of each new accept/reject event in the running estimate
 TAU = 0.1            # draft position i is worth asking for while alpha ** i >= TAU (and the step's cap)
 PROBE_EVERY = 16     # steps between one-token probes of a proposer that cannot guess in the shadow
-BUDGET_DECAY = 0.98  # per step of a batch-size class, the weight of its earlier measurements falls by this
+BUDGET_DECAY = 0.99  # per step of a batch-size class, the weight of its earlier measurements falls by this
 EXPLORE_WEIGHT = 2.0  # a cap whose decayed weight falls under this is run again: at least two steps'
-                      # worth of measurement (one step's time is noisy), renewed about every 34 steps
+                      # worth of measurement (one step's time is noisy), renewed every 70 steps or more
 
 
 @dataclass
@@ -182,21 +182,27 @@ def step_shape(batch) -> StepShape:
 
 class DraftBudget:
     """The draft cap of each step, chosen by measurement. Per batch-size class (the number of decoding
-    sequences, by powers of two) and per cap: exponentially weighted sums of the tokens the step emitted and
-    the seconds it took. A step runs the cap with the best tokens per second; a cap not measured lately
-    (weight under EXPLORE_WEIGHT; the largest first) runs instead, so a change in the text or the batch is
-    noticed. The clock is the engine's (CPU time on a CPU)."""
+    sequences, by powers of two) and per cap (the full k, or 0 = plain decode): exponentially weighted sums of
+    the tokens the step emitted and the seconds it took. A step runs the cap with the best tokens per second;
+    a cap not measured lately (weight under EXPLORE_WEIGHT, scaled down by how far it lost) runs instead, so a
+    change in the text or the batch is noticed. The clock is the engine's (CPU time on a CPU)."""
 
     def __init__(self, max_k: int):
-        self.caps = sorted({max_k, min(2, max_k), 0}, reverse=True)
+        self.caps = [max_k, 0]
         self.sums: dict[int, list[list[float]]] = {}  # class -> per cap [weight, tokens, seconds]
 
     def choose(self, decodes: int) -> int:
         arms = self.sums.setdefault(decodes.bit_length(), [[0.0, 0.0, 0.0] for _ in self.caps])
         for cap, (weight, _, _) in zip(self.caps, arms):
             if weight < EXPLORE_WEIGHT:
+                return cap  # not measured yet
+        rates = [tokens / max(seconds, 1e-12) for _, tokens, seconds in arms]
+        best = max(rates)
+        for cap, (weight, _, _), rate in zip(self.caps, arms, rates):
+            # a cap that lost by far is measured again less often (its weight must fade further)
+            if weight < EXPLORE_WEIGHT * (rate / best) ** 2:
                 return cap
-        return max(zip(self.caps, arms), key=lambda arm: arm[1][1] / max(arm[1][2], 1e-12))[0]
+        return self.caps[rates.index(best)]
 
     def observe(self, decodes: int, cap: int, tokens: int, seconds: float) -> None:
         arms = self.sums.setdefault(decodes.bit_length(), [[0.0, 0.0, 0.0] for _ in self.caps])
