@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -41,19 +42,32 @@ def memory(
     seed: int = typer.Option(0, "--seed", help="Trace seed: same seed, same numbers."),
     sweep: bool = typer.Option(True, "--sweep/--no-sweep", help="Block-size sweep 8..128 (tail waste vs "
                                                                 "table size)."),
+    beams: int = typer.Option(0, "--beams", help="Also measure beam search with W beams over 1k/2k-token "
+                                                 "prompts vs one sequence and a contiguous per-beam cache."),
     as_json: bool = JSON,
     plot: Optional[str] = PLOT,
 ) -> None:
     from pagedchat.bench.common import print_json
     from pagedchat.bench.memory import TraceParams, print_memory_report, run_memory_bench
 
+    if beams < 0:
+        raise UserError(f"--beams must be >= 1, got {beams}")
+
     params = TraceParams(requests=requests, max_len=max_len, mean_prompt=mean_prompt, mean_output=mean_output,
                          sigma=sigma, block_size=block_size, pool_tokens=pool_tokens, shared_prefix=shared_prefix,
                          variants=variants, variant_tail=variant_tail, max_batched_tokens=max_batched_tokens,
                          max_seqs=max_seqs, seed=seed)
     result = run_memory_bench(params, sweep=sweep, plot=_plot_path(plot))
+    if beams:
+        from pagedchat.bench.beams import print_beam_report, run_beam_memory_bench
+
+        beam_plot = _plot_path(plot)
+        beam_plot = beam_plot and str(Path(beam_plot).with_name(Path(beam_plot).stem + "-beams.png"))
+        result["beams"] = run_beam_memory_bench(beams, block_size=block_size, plot=beam_plot)
     _stamp(result)
     print_json(result) if as_json else print_memory_report(result)
+    if beams and not as_json:
+        print_beam_report(result["beams"])
 
 
 MODEL = typer.Option(None, "-m", "--model", help="models.toml name or local HF folder.")
@@ -92,7 +106,6 @@ def throughput(
     plot: Optional[str] = PLOT,
 ) -> None:
     import tempfile
-    from pathlib import Path
 
     from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
@@ -138,7 +151,6 @@ def chat(
     plot: Optional[str] = PLOT,
 ) -> None:
     import tempfile
-    from pathlib import Path
 
     from pagedchat.bench.chat import plot_chat, print_chat_report, run_chat_bench
     from pagedchat.bench.common import print_json

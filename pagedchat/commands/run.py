@@ -24,6 +24,11 @@ def run(
     system: Optional[str] = common.SYSTEM,
     raw: bool = typer.Option(False, "--raw", help="No chat template: encode the prompt as is."),
     num_variants: int = typer.Option(1, "-n", "--num-variants", help="Variants sharing the prompt's KV."),
+    beams: int = typer.Option(0, "--beams", help="Beam search with W beams (outputs: W hypotheses, best first)."),
+    length_penalty: float = typer.Option(1.0, "--length-penalty",
+                                         help="Beam scores are log-prob / length ** X (X > 0 favours long outputs)."),
+    early_stopping: str = typer.Option("false", "--early-stopping",
+                                       help="Beam search stops: true (W finished), false (heuristic), never."),
     file: Optional[Path] = typer.Option(None, "--file", help="JSONL batch: one {\"prompt\": ...} per line."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     session: Optional[str] = typer.Option(None, "--session", help="Continue session NAME (created if new)."),
@@ -46,6 +51,7 @@ def run(
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")
+    beam = _beam_settings(beams, length_penalty, early_stopping, num_variants, session is not None or continue_last)
     if file is not None and prompt is not None:
         raise UserError("give a prompt or --file, not both")
     if session is not None or continue_last:
@@ -61,12 +67,27 @@ def run(
     for i, job in enumerate(jobs):
         overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
         params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
-        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants)
+        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, **beam)
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
     code = _generate(engine, entry.name, requests, as_json, batch=file is not None)
     raise typer.Exit(code)
+
+
+def _beam_settings(beams: int, length_penalty: float, early_stopping: str, num_variants: int,
+                   in_session: bool) -> dict:
+    """--beams/--length-penalty/--early-stopping as SamplingParams fields (transformers' meanings)."""
+    stopping = {"true": True, "false": False, "never": "never"}.get(early_stopping.strip().lower())
+    if stopping is None:
+        raise UserError(f"--early-stopping must be true, false or never, got {early_stopping!r}")
+    if beams < 0:
+        raise UserError(f"--beams must be >= 1, got {beams}")
+    if beams and num_variants > 1:
+        raise UserError("--beams returns W hypotheses itself: leave out -n")
+    if beams and in_session:
+        raise UserError("--beams does not continue a session; use /beam W in `pagedchat chat`")
+    return {"beam_width": beams, "length_penalty": length_penalty, "early_stopping": stopping}
 
 
 def _prompt_text(prompt: str | None) -> str:
@@ -134,7 +155,7 @@ def _check_job(path: Path, number: int, job: dict) -> None:
 def _generate(engine, model_name: str, requests: list, as_json: bool, batch: bool) -> int:
     start = time.perf_counter()
     ids, refused = _add_all(engine, requests, batch)
-    stream = not as_json and not batch and requests[0][1].n == 1
+    stream = not as_json and not batch and requests[0][1].n == 1 and not requests[0][1].beam_width
     first_token_at = None
     try:
         while any(not engine.requests[r].finished for r in ids if r is not None):
@@ -184,17 +205,30 @@ def _add_all(engine, requests: list, batch: bool) -> tuple[list, dict]:
 def _print_plain(outputs, batch: bool) -> None:
     for i, out in enumerate(outputs):
         for variant in out.outputs:
-            labels = ([f"prompt {i + 1}"] if batch else []) + ([f"variant {variant.index + 1}"]
-                                                              if len(out.outputs) > 1 else [])
+            labels = ([f"prompt {i + 1}"] if batch else []) + ([_variant_label(variant)]
+                                                              if len(out.outputs) > 1 or variant.score is not None
+                                                              else [])
             if labels:
                 print(f"--- {' / '.join(labels)} ---")
             print(variant.text)
 
 
+def _variant_label(variant) -> str:
+    if variant.score is None:
+        return f"variant {variant.index + 1}"
+    return f"beam {variant.index + 1} (score {variant.score:.4f})"
+
+
+def _output_json(v) -> dict:
+    out = {"text": v.text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
+    if v.score is not None:
+        out["score"] = v.score
+    return out
+
+
 def _json_report(engine, model_name, outputs, batch, start, first_token_at, total) -> dict:
     def result(out):
-        return {"outputs": [{"text": v.text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
-                            for v in out.outputs],
+        return {"outputs": [_output_json(v) for v in out.outputs],
                 "usage": {"prompt_tokens": out.num_prompt_tokens,
                           "completion_tokens": sum(len(v.token_ids) for v in out.outputs)}}
 

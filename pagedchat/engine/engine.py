@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedchat.engine import beam
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.detokenizer import decode_new_text
@@ -48,6 +49,7 @@ class CompletionOutput:
     finish_reason: str | None
     handle: Sequence | None = None     # pinned sequence (keep=True): pass as `parent` to continue from it
     error: str | None = None
+    score: float | None = None         # beam search: the hypothesis' score (outputs come best first)
 
     @property
     def token_ids_all(self) -> list[int]:
@@ -126,16 +128,27 @@ class Engine:
         seq.parent = parent if parent is not None and parent.status == SeqStatus.PINNED else None
         request.sequences.append(seq)
         request.forked = params.n == 1
+        if params.beam_width:
+            request.beam = self._beam_search(request)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
 
+    def _beam_search(self, request: Request) -> beam.BeamSearch:
+        params = request.params
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        max_length = min(request.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        search = beam.BeamSearch(request, stop_ids, max_length, self.tokenizer)
+        search.beams = list(request.sequences)
+        return search
+
     def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise RequestError("the prompt is empty")
-        if params.n > self.scheduler.max_num_seqs:
+        if max(params.n, params.beam_width) > self.scheduler.max_num_seqs:
             # variants all run at once: more than a step's sequences would only thrash the scheduler
-            raise RequestError(f"{params.n} variants is more than the {self.scheduler.max_num_seqs} sequences the "
+            what = f"{params.beam_width} beams" if params.beam_width else f"{params.n} variants"
+            raise RequestError(f"{what} is more than the {self.scheduler.max_num_seqs} sequences the "
                                f"engine runs at once")
         if len(ids) >= self.max_model_len:
             raise RequestError(f"prompt is {len(ids)} tokens but the model's context is {self.max_model_len} "
@@ -154,13 +167,14 @@ class Engine:
         """A new request continuing a running or pinned sequence from its current tokens. The child shares
         every block; the first write into the shared partial block copies that one block."""
         assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
-        params = (params or handle.request.params).with_(n=1)
+        params = (params or handle.request.params).with_(n=1, beam_width=0)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
         child = Sequence(request, 0, handle.token_ids)
         child.block_table = self.pool.fork_table(handle.block_table)
         child.block_hashes = list(handle.block_hashes)
-        child.num_computed = handle.num_computed
+        # a beam waiting for its siblings has its last token's KV too: recompute it for the child's logits
+        child.num_computed = min(handle.num_computed, handle.num_tokens - 1)
         child.generator = variant_generator(params.seed, 0, self.device)
         request.sequences.append(child)
         request.prefix_hit_tokens = child.num_computed
@@ -196,13 +210,16 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         batch = self.scheduler.schedule()
         events = [self._fail(seq) for seq in batch.failed]
-        if not batch:
-            return events
-        logits, samplers = self.runner.run(batch)
+        logits, samplers = self.runner.run(batch) if batch else (None, [])
         self.scheduler.commit(batch)
+        # A failed beam ends its whole search, after the forward: its siblings may be in this very batch.
+        events += [e for seq in batch.failed if seq.request.beam for e in self._end_beam_search(seq.request)]
         if logits is None:
             return events
         logits, samplers = self._fork_variants(logits, samplers)
+        logits, samplers = self._advance_beams(logits, samplers, events)
+        if not samplers:
+            return events
         tokens = self.sampler(logits, samplers)
         now = time.perf_counter()
         for seq, token in zip(samplers, tokens):
@@ -232,6 +249,49 @@ class Engine:
         if len(rows) != len(samplers):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, seqs
+
+    def _advance_beams(self, logits: torch.Tensor, samplers: list[Sequence], events: list[TokenEvent]):
+        """Hand beam rows to their searches; a search whose beams all have logits takes its step. Returns
+        the rows left for the sampler."""
+        rows = [i for i, seq in enumerate(samplers) if seq.request.beam is None]
+        if len(rows) == len(samplers):
+            return logits, samplers
+        stepped = []
+        for i, seq in enumerate(samplers):
+            search = seq.request.beam
+            if search is not None and not seq.is_finished:
+                search.offer(seq, logits[i])
+                if search.is_ready() and search not in stepped:
+                    stepped.append(search)
+        for search in stepped:
+            request = search.request
+            request.first_token_time = request.first_token_time or time.perf_counter()
+            picks = search.select()
+            if search.done:
+                events += self._end_beam_search(request)
+            else:
+                search.beams = request.sequences = beam.next_beams(search, picks, self.scheduler)
+        keep = torch.tensor(rows, device=logits.device, dtype=torch.long)
+        return logits[keep], [samplers[i] for i in rows]
+
+    def _end_beam_search(self, request: Request) -> list[TokenEvent]:
+        """Free every live beam; the finished hypotheses (best first) become the request's outputs."""
+        search = request.beam
+        if not search.beams:
+            return []  # already ended (two beams of one request can fail in the same step)
+        for seq in search.beams:
+            if not seq.is_finished:
+                seq.finish_reason = "error" if request.error else "stop"
+                self.scheduler.finish(seq, keep=False)
+        request.finish_time = time.perf_counter()
+        if request.error:  # the failing beam's own event already said so
+            for seq in search.beams:
+                seq.status, seq.error = SeqStatus.FINISHED, request.error
+            request.sequences, search.beams = search.beams, []
+            return []
+        request.sequences, search.beams = search.results(), []
+        return [TokenEvent(request.request_id, s.index, s.output_ids, s.text, s.finish_reason, s.error)
+                for s in request.sequences]
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> TokenEvent:
         request, params = seq.request, seq.request.params
@@ -287,7 +347,7 @@ class Engine:
     def get_output(self, request_id: str) -> RequestOutput:
         r = self.requests[request_id]
         outputs = [CompletionOutput(s.index, s.output_ids, s.text, s.finish_reason,
-                                    s if s.status == SeqStatus.PINNED else None, s.error)
+                                    s if s.status == SeqStatus.PINNED else None, s.error, s.score)
                    for s in sorted(r.sequences, key=lambda s: s.index)]
         ttft = r.first_token_time - r.arrival_time if r.first_token_time else None
         total = r.finish_time - r.arrival_time if r.finish_time else None

@@ -41,6 +41,7 @@ class Sequence:
         self.emitted = 0                    # characters of text already streamed
         self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
         self.detok_stream = None            # fast-tokenizer DecodeStream
+        self.score: float | None = None     # a beam-search hypothesis: its length-penalized log-probability
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +77,7 @@ class Request:
     prefix_hit_tokens: int | None = None  # set at first admission
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
+    beam: object | None = None           # a BeamSearch (engine/beam.py) when params.beam_width > 0
 
     @property
     def num_prompt_tokens(self) -> int:
