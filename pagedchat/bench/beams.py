@@ -66,7 +66,7 @@ def _blocks_over_time(prompt_len: int, new_tokens: int, block_size: int, width: 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, beam_width=width)
     rid = sim.engine.add_request(prompt, params)
     used, copies, max_copies = [], 0, 0
-    while not sim.engine.requests[rid].finished:
+    while not sim.engine.is_finished(rid):
         sim.engine.step()
         # after the step's beam selection: dropped beams are already freed, the new ones hold what they share
         used.append(sim.pool.num_used)

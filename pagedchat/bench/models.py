@@ -8,8 +8,10 @@ the outputs of two implementations can be compared token for token.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from pagedchat.dtypes import DTYPE_HINT, DTYPES
 from pagedchat.errors import UserError
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -24,7 +26,7 @@ SIZES = {
 }
 
 
-def random_config(arch: str, size: str = "small", max_positions: int = 4096):
+def random_config(arch: str, size: str = "small", max_positions: int = 4096, **overrides):
     """An HF config of the given family and size (random weights come from its initializer)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -34,6 +36,7 @@ def random_config(arch: str, size: str = "small", max_positions: int = 4096):
         raise UserError(f"--random-size wants one of {', '.join(SIZES)}, got {size!r}")
     common = dict(SIZES[size], max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                   tie_word_embeddings=size == "1b", eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    common.update(overrides)
     head_dim = common["hidden_size"] // common["num_attention_heads"]
     if arch == "llama":
         return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
@@ -45,7 +48,7 @@ def random_config(arch: str, size: str = "small", max_positions: int = 4096):
 
 
 def build_random_model(arch: str, path: Path, size: str = "small", max_positions: int = 4096, seed: int = 0,
-                       dtype: str = "float32") -> Path:
+                       dtype: str = "float32", **overrides) -> Path:
     """Save a random `arch` model of `size` to `path` (config + safetensors, no tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -53,7 +56,7 @@ def build_random_model(arch: str, path: Path, size: str = "small", max_positions
     from pagedchat.bench.common import quiet_transformers
 
     quiet_transformers()
-    config = random_config(arch, size, max_positions)
+    config = random_config(arch, size, max_positions, **overrides)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -81,6 +84,24 @@ def resolve_model(model: str | None, random_arch: str | None, random_size: str, 
     return Path(entry.path), entry.name
 
 
+DEMO_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def build_chat_bench_model(arch: str, path: Path, size: str = "tiny", max_positions: int = 4096) -> Path:
+    """A random model a server can chat with: random weights over the shipped demo model's tokenizer and
+    chat template, so requests can be chat messages and replies stream as text."""
+    import shutil
+    from importlib import resources
+
+    demo = Path(str(resources.files("pagedchat") / "assets" / "demo-chat"))
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    build_random_model(arch, path, size, max_positions, vocab_size=vocab)
+    for name in DEMO_TOKENIZER_FILES:
+        if (demo / name).exists():
+            shutil.copy(demo / name, Path(path) / name)
+    return Path(path)
+
+
 def size_tag(size: str) -> str:
     return size.replace(".", "_")
 
@@ -90,11 +111,9 @@ def torch_dtype(name: str, device: str):
 
     if name in (None, "auto"):
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    try:
-        return getattr(torch, aliases.get(name, name))
-    except AttributeError:
-        raise UserError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16") from None
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}: {DTYPE_HINT}")
+    return getattr(torch, DTYPES[name])
 
 
 def resolve_device(device: str) -> str:
