@@ -166,6 +166,9 @@ def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> S
     model = {k: (v, "model") for k, v in settings.sampling_defaults.items()}
     try:
         params, _ = merge_sampling(model, {**request, "__source__": "request"})
+        if body.use_beam_search:   # the best n of best_of beams (beam search returns its beams, best first)
+            return params.with_(n=1, ignore_eos=body.ignore_eos, beam_width=body.best_of or body.n,
+                                length_penalty=body.length_penalty, early_stopping=body.early_stopping)
         return params.with_(n=body.n, ignore_eos=body.ignore_eos)
     except UserError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
@@ -257,7 +260,7 @@ class _Reply:
     def full(self, outputs) -> dict:
         _raise_output_error(outputs)
         choices = [self._choice(slot * self.n + c.index, c.text, _finish(c.finish_reason))
-                   for slot, out in enumerate(outputs) for c in out.outputs]
+                   for slot, out in enumerate(outputs) for c in out.outputs if c.index < self.n]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": _usage(outputs), "system_fingerprint": None}
 
@@ -278,8 +281,8 @@ class _Reply:
                 if isinstance(item, Done) and item.output.error:
                     yield _sse(error_payload(item.output.error, code="kv_pool_exhausted"))
                     break
-                if not isinstance(item, Token) or item.event.finish_reason == "error":
-                    continue
+                if not isinstance(item, Token) or item.event.finish_reason == "error" or item.event.index >= self.n:
+                    continue   # (beam search: hypotheses past the n best asked for)
                 event, index = item.event, item.slot * self.n + item.event.index
                 if event.text:
                     yield self._chunk([self._choice(index, event.text, None, delta=True)])
