@@ -68,9 +68,10 @@ def _blocks_over_time(prompt_len: int, new_tokens: int, block_size: int, width: 
     used, copies, max_copies = [], 0, 0
     while not sim.engine.is_finished(rid):
         sim.engine.step()
-        # after the step's beam selection: dropped beams are already freed, the new ones hold what they share
-        used.append(sim.pool.num_used)
         max_copies, copies = max(max_copies, sim.pool.cow_copies - copies), sim.pool.cow_copies
+        if not sim.engine.is_finished(rid):
+            # after the step's beam selection: dropped beams are already freed, the new ones share the rest
+            used.append(sim.pool.num_used)
     out = sim.engine.pop_output(rid)
     assert sim.pool.num_used == 0 and not out.error
     return {"used": used, "peak": sim.pool.peak_used, "cow_copies": sim.pool.cow_copies, "max_copies": max_copies}
