@@ -25,6 +25,9 @@ class ModelOptions:
     kv_memory: Optional[str] = None
     max_context: Optional[int] = None
     kv_allocation: str = "paged"    # serve only: "reserved" is the contiguous-cache peer of `bench serve`
+    speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
+    num_draft_tokens: Optional[int] = None
+    draft_model: Optional[str] = None
 
 
 @dataclass
@@ -57,10 +60,28 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     try:
         config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                               kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
-                              kv_allocation=opts.kv_allocation, chat_template=template)
+                              kv_allocation=opts.kv_allocation, chat_template=template,
+                              **speculation_settings(opts, entry))
         return Engine(config, show_progress=show_progress), entry
     except SettingError as e:
         raise UserError(cli_words(e)) from None
+
+
+def speculation_settings(opts: ModelOptions, entry) -> dict:
+    """--speculate / --num-draft-tokens / --draft-model over the models.toml keys of the same names. A draft
+    model is named like -m: a models.toml entry or a folder."""
+    from pagedchat.registry import Registry
+
+    def pick(key, default):
+        value = getattr(opts, key)
+        return value if value is not None else entry.get(key, default).value
+
+    draft = pick("draft_model", None)
+    method = pick("speculate", None) or ("draft" if draft else "off")
+    out = {"speculate": method, "num_draft_tokens": pick("num_draft_tokens", 6)}
+    if method == "draft" and draft:
+        out["draft_model"] = str(Registry().resolve(draft).path)
+    return out
 
 
 def _read_template(value: str, entry) -> str:
@@ -117,7 +138,8 @@ def _strings(stop) -> list:
 
 # EngineConfig setting -> the flag that sets it (run, chat and serve share them: commands/common.py)
 _FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_memory": "--kv-memory",
-          "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation"}
+          "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation", "speculate": "--speculate",
+          "num_draft_tokens": "--num-draft-tokens"}
 
 
 def cli_words(error: Exception) -> str:

@@ -83,4 +83,5 @@ def _report(ctl, result) -> dict:
         "kv": {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
                "prefix_hit_tokens": pool.prefix_hit_tokens},
         "timing": {"ttft_s": stats["ttft_s"], "decode_tokens_per_s": decode, "total_s": stats["total_s"]},
+        **({"spec": spec} if (spec := ctl.backend.stats().spec) is not None else {}),
     }

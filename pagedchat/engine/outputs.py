@@ -101,3 +101,4 @@ class EngineStats:
     pinned: int
     pinned_blocks: int
     preemptions: int
+    spec: dict | None = None   # speculative decoding counters (SpecStats.as_dict) while it is on

@@ -42,6 +42,8 @@ class Sequence:
         self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
         self.detok_stream = None            # fast-tokenizer DecodeStream
         self.score: float | None = None     # a beam-search hypothesis: its length-penalized log-probability
+        self.draft_ids: list[int] = []      # proposed tokens verified in this step (speculative decoding)
+        self.spec = None                    # speculative.SpecState: acceptance history, n-gram index
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +80,7 @@ class Request:
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
     beam: object | None = None           # a BeamSearch (engine/beam.py) when params.beam_width > 0
+    context: list[list[int]] = field(default_factory=list)  # related token streams the n-gram drafts search
 
     @property
     def num_prompt_tokens(self) -> int:
