@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from pagedchat.engine.grammar import GrammarSpec
+from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
 from pagedchat.errors import UserError
 
 
@@ -32,6 +34,10 @@ class SamplingParams:
     beam_width: int = 0             # > 0: beam search with this many beams (transformers' num_beams)
     length_penalty: float = 1.0     # beam hypotheses score sum_logprob / length ** length_penalty
     early_stopping: bool | str = False  # beam search stops: True (W finished), False (heuristic), "never"
+    logprobs: int | None = None     # per generated token: its logprob and this many alternatives (0 = none)
+    prompt_logprobs: int | None = None   # the same for every prompt token (echo); turns off prefix reuse
+    grammar: GrammarSpec | None = None   # structured output: every token is masked to what it allows
+    embed: bool = False             # also mean-pool the prompt's last hidden states (turns off prefix reuse)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,6 +56,10 @@ class SamplingParams:
             (not self.beam_width or self.n == 1, "beam search returns its beams as its outputs: n must be 1"),
             (isinstance(self.early_stopping, bool) or self.early_stopping == "never",
              f"early_stopping must be true, false or never, got {self.early_stopping!r}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -65,6 +75,9 @@ class SamplingParams:
                 raise UserError(f"{name} must be finite, got {getattr(self, name)}")
         for name in ("top_k", "max_tokens", "n", "beam_width"):
             if not _is_number(getattr(self, name), int):
+                raise UserError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not _is_number(getattr(self, name), int):
                 raise UserError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_number(self.seed, int):
             raise UserError(f"seed must be an integer, got {self.seed!r}")
