@@ -193,9 +193,9 @@ class Engine:
         params = (params or handle.request.params).with_(n=1, beam_width=0, prompt_logprobs=None, embed=False)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
-        child = self._fork_sequence(handle, request, 0)
-        # a beam waiting for its siblings has its last token's KV too: recompute it for the child's logits
-        child.num_computed = min(child.num_computed, handle.num_tokens - 1)
+        # a beam waiting for its siblings has its last token's KV too: the child recomputes that token for
+        # its own logits, so it shares only the blocks of the tokens before it (no block past its computed ones)
+        child = self._fork_sequence(handle, request, 0, computed=min(handle.num_computed, handle.num_tokens - 1))
         request.prefix_hit_tokens = child.num_computed
         self.requests[request_id] = request
         if handle.status == SeqStatus.PINNED:
@@ -327,12 +327,17 @@ class Engine:
             r += n
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], plain, verified
 
-    def _fork_sequence(self, parent: Sequence, request: Request, index: int) -> Sequence:
-        """A child sharing every block of parent (refcount + 1 each); its own sampling stream."""
+    def _fork_sequence(self, parent: Sequence, request: Request, index: int, computed: int | None = None) -> Sequence:
+        """A child sharing the blocks of parent's first `computed` tokens (default: all it computed; refcount
+        + 1 each); its own sampling stream."""
+        computed = parent.num_computed if computed is None else computed
+        table = parent.block_table
+        if computed < parent.num_computed and not self.scheduler.reserve_upfront:  # (reserved: whole reply)
+            table = table[:self.scheduler.blocks_for(computed)]
         child = Sequence(request, index, parent.token_ids)
-        child.block_table = self.pool.fork_table(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed = parent.num_computed
+        child.block_table = self.pool.fork_table(table)
+        child.block_hashes = parent.block_hashes[:computed // self.pool.block_size]
+        child.num_computed = computed
         child.generator = variant_generator(request.params.seed, index, self.device)
         child.matcher = self._matcher(request.params, inherit=parent)
         request.sequences.append(child)
