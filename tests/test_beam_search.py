@@ -49,7 +49,7 @@ def test_beams_match_with_chunked_prefill_and_preemption(model_dirs, arch):
     path, hf = model_dirs[arch]
     engine = Engine(EngineConfig(model=str(path), num_blocks=20, block_size=8, max_num_batched_tokens=7),
                     show_progress=False)
-    run_beams(engine, hf, seed=2, cases=[CASES[0], CASES[2], CASES[4]], lo=20, hi=60)
+    run_beams(engine, hf, seed=2, cases=[CASES[0], CASES[1], CASES[2], CASES[4]], lo=20, hi=60)
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for every beam at once"
 
 

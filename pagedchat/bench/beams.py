@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import torch
 
-from pagedchat.bench.memory import PagedSim
-
 PROMPTS = (1024, 2048)
 VOCAB = 64
 PEAK = 3.0     # logit scale: a few tokens carry most of the probability, as in a trained model
@@ -37,8 +35,16 @@ class PseudoModelRunner:
 
 def measure_beam_memory(prompt_len: int, width: int, new_tokens: int, block_size: int) -> dict:
     """Blocks in use at every step for one beam search, one plain sequence, and W contiguous copies."""
-    beam = _blocks_over_time(prompt_len, new_tokens, block_size, width)
-    single = _blocks_over_time(prompt_len, new_tokens, block_size, 0)
+    prompt = [t % VOCAB for t in range(7, 7 + prompt_len)]
+    beam = follow_blocks(_pseudo_engine(prompt_len, new_tokens, block_size, width), prompt, width, new_tokens)
+    single = follow_blocks(_pseudo_engine(prompt_len, new_tokens, block_size, 0), prompt, 0, new_tokens)
+    return beam_memory_summary(prompt_len, width, block_size, beam, single)
+
+
+def beam_memory_summary(prompt_len: int, width: int, block_size: int, beam: dict, single: dict) -> dict:
+    """One prompt's figures from follow_blocks() of a beam search and of one sequence over it; the
+    contiguous per-beam cache holds W whole histories (prompt + tokens so far) at every step."""
+    new_tokens = len(single["used"]) + 1
     contiguous = [width * -(-(prompt_len + t) // block_size) for t in range(1, new_tokens + 1)]
     peak_one = single["peak"]
     return {
@@ -54,27 +60,42 @@ def measure_beam_memory(prompt_len: int, width: int, new_tokens: int, block_size
     }
 
 
-def _blocks_over_time(prompt_len: int, new_tokens: int, block_size: int, width: int) -> dict:
-    from pagedchat.engine import SamplingParams
+def beam_pool_blocks(prompt_len: int, new_tokens: int, block_size: int, width: int) -> int:
+    """Room for every beam unshared: the measurement never preempts."""
+    return (width or 1) * -(-(prompt_len + new_tokens + 1) // block_size) + 8
+
+
+def _pseudo_engine(prompt_len: int, new_tokens: int, block_size: int, width: int):
+    from pagedchat.engine import Engine, EngineConfig
+    from pagedchat.engine.seams import NoModel
 
     max_len = prompt_len + new_tokens + 1
-    num_blocks = (width or 1) * -(-max_len // block_size) + 8   # room for every beam unshared: no preemption
-    sim = PagedSim(num_blocks, block_size, max_seqs=256, max_batched_tokens=max_len, max_len=max_len)
-    sim.engine.runner = PseudoModelRunner(num_blocks)
-    sim.engine.loaded.spec.vocab_size = VOCAB
-    prompt = [t % VOCAB for t in range(7, 7 + prompt_len)]
+    num_blocks = beam_pool_blocks(prompt_len, new_tokens, block_size, width)
+    config = EngineConfig(model="(simulated)", device="cpu", block_size=block_size, num_blocks=num_blocks,
+                          max_num_seqs=256, max_num_batched_tokens=max_len, max_model_len=max_len)
+    return Engine(config, loaded=NoModel(max_model_len=max_len, vocab_size=VOCAB),
+                  runner=PseudoModelRunner(num_blocks))
+
+
+def follow_blocks(engine, prompt: list[int], width: int, new_tokens: int) -> dict:
+    """Run one request (beam search with `width` beams, or one greedy sequence for 0) alone on a fresh
+    engine: the pool's blocks in use after every step, its peak, and the block copies (most in one step)."""
+    from pagedchat.engine import SamplingParams
+
+    pool = engine.pool
+    assert pool.num_used == 0 and pool.peak_used == 0, "the peak must be this request's alone"
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True, beam_width=width)
-    rid = sim.engine.add_request(prompt, params)
+    rid = engine.add_request(prompt, params)
     used, copies, max_copies = [], 0, 0
-    while not sim.engine.is_finished(rid):
-        sim.engine.step()
-        max_copies, copies = max(max_copies, sim.pool.cow_copies - copies), sim.pool.cow_copies
-        if not sim.engine.is_finished(rid):
+    while not engine.is_finished(rid):
+        engine.step()
+        max_copies, copies = max(max_copies, pool.cow_copies - copies), pool.cow_copies
+        if not engine.is_finished(rid):
             # after the step's beam selection: dropped beams are already freed, the new ones share the rest
-            used.append(sim.pool.num_used)
-    out = sim.engine.pop_output(rid)
-    assert sim.pool.num_used == 0 and not out.error
-    return {"used": used, "peak": sim.pool.peak_used, "cow_copies": sim.pool.cow_copies, "max_copies": max_copies}
+            used.append(pool.num_used)
+    out = engine.pop_output(rid)
+    assert pool.num_used == 0 and not out.error, out.error
+    return {"used": used, "peak": pool.peak_used, "cow_copies": pool.cow_copies, "max_copies": max_copies}
 
 
 def _mean(values: list[int]) -> float:
@@ -82,13 +103,9 @@ def _mean(values: list[int]) -> float:
 
 
 def run_beam_memory_bench(width: int, new_tokens: int = 64, block_size: int = 16,
-                          prompts: tuple[int, ...] = PROMPTS, plot: str | None = None) -> dict:
+                          prompts: tuple[int, ...] = PROMPTS) -> dict:
     runs = [measure_beam_memory(p, width, new_tokens, block_size) for p in prompts]
-    result = {"width": width, "new_tokens": new_tokens, "block_size": block_size, "runs": runs}
-    if plot:
-        plot_beam_memory(result, plot)
-        result["plot"] = plot
-    return result
+    return {"width": width, "new_tokens": new_tokens, "block_size": block_size, "runs": runs}
 
 
 def plot_beam_memory(result: dict, path: str) -> None:
@@ -122,10 +139,11 @@ def plot_beam_memory(result: dict, path: str) -> None:
 def print_beam_report(result: dict) -> None:
     from pagedchat.bench.common import print_table
 
-    w = result["width"]
+    w, runs = result["width"], result["runs"]
+    hf = all("hf_beam_kv_blocks" in r for r in runs)   # bench chat on a real model: the peer's own cache
     print_table(f"beam search, {w} beams, {result['new_tokens']} new tokens: blocks allocated",
                 ["prompt", "beam peak", "beam mean", "one seq peak", f"contiguous x{w} peak", "peak vs one",
-                 "contiguous vs one", "max copies/step"],
+                 "contiguous vs one", "max copies/step"] + (["transformers KV (blocks)"] if hf else []),
                 [[r["prompt_tokens"], r["peak_blocks"], r["mean_blocks"], r["one_sequence_peak_blocks"],
                   r["contiguous_peak_blocks"], r["peak_ratio_vs_one"], r["contiguous_peak_ratio_vs_one"],
-                  r["max_copies_per_step"]] for r in result["runs"]])
+                  r["max_copies_per_step"]] + ([r["hf_beam_kv_blocks"]] if hf else []) for r in runs])
