@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from .moe_reference import fused_moe_ref
 from .reference import (
     copy_blocks_ref,
     paged_decode_attention_ref,
@@ -34,6 +35,7 @@ if HAS_TRITON:
         from ._launch import interpreting
         from .triton_attention import paged_decode_attention_triton, paged_prefill_attention_triton
         from .triton_cache import copy_blocks_triton, write_kv_triton
+        from .triton_moe import fused_moe_triton
     except (ImportError, AttributeError) as exc:  # a Triton whose API moved: keep the torch path alive
         HAS_TRITON = False
         warnings.warn(f"pagedchat.kernels: Triton kernels unavailable ({exc!r}); using the torch path",
@@ -44,6 +46,8 @@ __all__ = [
     "copy_blocks",
     "copy_blocks_all_layers",
     "copy_blocks_ref",
+    "fused_moe",
+    "fused_moe_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",
@@ -55,8 +59,8 @@ __all__ = [
     "write_kv_ref",
 ]
 if HAS_TRITON:
-    __all__ += ["copy_blocks_triton", "paged_decode_attention_triton", "paged_prefill_attention_triton",
-                "write_kv_triton"]
+    __all__ += ["copy_blocks_triton", "fused_moe_triton", "paged_decode_attention_triton",
+                "paged_prefill_attention_triton", "write_kv_triton"]
 
 _BACKENDS = ("auto", "triton", "torch")
 _default_backend = "auto"
@@ -137,3 +141,12 @@ def copy_blocks_all_layers(k_caches, v_caches, src, dst, *, backend=None) -> Non
     dst = torch.as_tensor(dst, dtype=torch.long, device=device)
     for k_cache, v_cache in zip(k_caches, v_caches):
         copy_blocks(k_cache, v_cache, src, dst, backend=backend)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, backend=None):
+    """Mixture-of-experts feed-forward: x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
+    topk_weights [T, k] (the routing weights, already normalized as the family wants), topk_ids [T, k].
+    Returns sum_j topk_weights[t, j] * w2[e] @ (silu(gate) * up) with e = topk_ids[t, j]  -> [T, H]."""
+    if resolve_backend(backend, x, w13) == "triton":
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -38,6 +38,8 @@ class ModelRunner:
         backend = "torch" if self.device.type == "cpu" else "auto"
         for layer, k, v in zip(self.model.attention_layers(), self.k_caches, self.v_caches):
             layer.k_cache, layer.v_cache, layer.backend = k, v, backend
+        for moe in getattr(self.model, "moe_layers", list)():
+            moe.backend = backend
         self.backend = backend
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:

@@ -1,0 +1,127 @@
+"""The families beyond Llama (issue 19): greedy tokens equal transformers' generate for 64 tokens alone,
+batched, with chunked prefill, as forks and under preemption; their pieces (longrope tables, the MoE
+kernels) against their own oracles; `models show` names the family; unsupported ones get one line."""
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from hf_models import NEW_FAMILIES
+from oracle import assert_greedy_equal, reference
+from pagedchat import kernels as K
+from pagedchat.engine import Engine, EngineConfig, SamplingParams
+
+TOKENS = 64
+GREEDY = SamplingParams(temperature=0, max_tokens=TOKENS)
+
+
+def prompts(n, seed, lo=3, hi=80):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def engine_for(model_dirs, arch, **kw):
+    return Engine(EngineConfig(model=str(model_dirs[arch][0]), **{"num_blocks": 256, **kw}), show_progress=False)
+
+
+def check(engine, hf, batch):
+    for prompt, out in zip(batch, engine.generate(batch, GREEDY)):
+        assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, TOKENS))
+    engine.check_invariants()
+    assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_64_tokens_alone_batched_chunked_preempted(model_dirs, arch):
+    hf = model_dirs[arch][1]
+    check(engine_for(model_dirs, arch), hf, prompts(1, seed=11))
+    check(engine_for(model_dirs, arch, max_num_batched_tokens=9), hf, prompts(2, seed=12, lo=20))
+    small = engine_for(model_dirs, arch, num_blocks=20, block_size=8)
+    check(small, hf, prompts(4, seed=13, lo=20, hi=50))
+    assert small.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_64_tokens_through_a_fork(model_dirs, arch):
+    engine, hf = engine_for(model_dirs, arch), model_dirs[arch][1]
+    prompt = prompts(1, seed=14, lo=30, hi=30)[0]
+    parent = engine.generate([prompt], GREEDY.with_(max_tokens=5), keep=True)[0].outputs[0]
+    child = engine.fork(parent.handle, GREEDY.with_(max_tokens=TOKENS - 5))
+    while not engine.requests[child].finished:
+        engine.step()
+    tokens = parent.token_ids + engine.pop_output(child).outputs[0].token_ids
+    assert_greedy_equal(tokens, *reference(hf, prompt, TOKENS))
+
+
+def test_phi3_longrope_tables_switch_to_long_factors_past_the_original_context(model_dirs):
+    from pagedchat.model.rope import TableRotary
+
+    hf = model_dirs["phi3"][1]
+    original = hf.config.rope_parameters["original_max_position_embeddings"]
+    ours = TableRotary.from_config(hf.config, 16, 512)
+    x = torch.zeros(1)
+    for position in (0, 5, original - 1, original, 400):
+        cos, sin = hf.model.rotary_emb(x, torch.tensor([[position]]))  # HF picks short/long by this length
+        assert torch.allclose(ours.cos[position], cos[0, 0], atol=1e-6)
+        assert torch.allclose(ours.sin[position], sin[0, 0], atol=1e-6)
+    assert ours.rotary_dim == 12  # partial rotary: 0.75 of head_dim 16
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,hidden,inter", [(1, 8, 2, 64, 48), (37, 4, 2, 32, 16),
+                                                                       (70, 8, 3, 48, 96), (5, 16, 1, 16, 16)])
+def test_fused_moe_triton_matches_torch_twin(monkeypatch, num_tokens, num_experts, top_k, hidden, inter):
+    if not K.HAS_TRITON:
+        pytest.skip("triton not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden, generator=g)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=g) * 0.1
+    w2 = torch.randn(num_experts, hidden, inter, generator=g) * 0.1
+    weights, ids = torch.softmax(torch.randn(num_tokens, num_experts, generator=g), -1).topk(top_k)
+    ours = K.fused_moe(x, w13, w2, weights, ids, backend="triton")
+    oracle = K.fused_moe_ref(x.double(), w13.double(), w2.double(), weights.double(), ids)
+    torch.testing.assert_close(ours.double(), oracle, rtol=1e-3, atol=1e-4)
+
+
+def test_grouped_moe_equals_per_token_loop():
+    g = torch.Generator().manual_seed(0)
+    x, w13, w2 = torch.randn(9, 8, generator=g), torch.randn(4, 6, 8, generator=g), torch.randn(4, 8, 3, generator=g)
+    weights, ids = torch.rand(9, 2, generator=g), torch.randint(0, 4, (9, 2), generator=g)
+    expected = torch.stack([sum(weights[t, j] * (w2[e] @ K.moe_reference.silu_and_mul(w13[e] @ x[t]))
+                                for j, e in enumerate(ids[t].tolist())) for t in range(9)])
+    torch.testing.assert_close(K.fused_moe_ref(x, w13, w2, weights, ids), expected)
+
+
+def test_moe_engine_on_triton_kernels_under_the_interpreter(model_dirs, monkeypatch):
+    if not K.HAS_TRITON:
+        pytest.skip("triton not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    engine, hf = engine_for(model_dirs, "mixtral"), model_dirs["mixtral"][1]
+    for moe in engine.runner.model.moe_layers():
+        moe.backend = "triton"
+    prompt = prompts(1, seed=15, lo=12, hi=12)[0]
+    out = engine.generate([prompt], GREEDY.with_(max_tokens=8))[0]
+    assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, 8))
+
+
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_models_show_names_the_family(typer_cli, model_dirs, arch):
+    shown = json.loads(typer_cli("models", "show", str(model_dirs[arch][0]), "--json").output)
+    family = {s["key"]: s["value"] for s in shown["settings"]}["family"]
+    assert family.startswith(f"{arch}: ")
+
+
+def test_unsupported_architecture_is_one_line_naming_the_supported(model_dirs, tmp_path, pagedchat_cli):
+    import shutil
+
+    folder = tmp_path / "gptj"
+    shutil.copytree(model_dirs["llama"][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["GPTJForCausalLM"]}))
+    code, out, err = pagedchat_cli("run", "-m", str(folder), "--raw", "hi", "--max-tokens", "2")
+    assert code != 0 and "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert "GPTJForCausalLM" in line and "Phi3ForCausalLM" in line and "MixtralForCausalLM" in line
