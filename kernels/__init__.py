@@ -17,6 +17,7 @@ import warnings
 import torch
 
 from .moe_reference import fused_moe_ref
+from .windowed_reference import paged_decode_attention_windowed_ref, paged_prefill_attention_windowed_ref
 from .reference import (
     copy_blocks_ref,
     paged_decode_attention_ref,
@@ -50,8 +51,10 @@ __all__ = [
     "fused_moe_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "paged_decode_attention_windowed_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "paged_prefill_attention_windowed_ref",
     "resolve_backend",
     "set_default_backend",
     "triton_interpret_enabled",
@@ -94,25 +97,35 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     return backend
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, backend=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, backend=None,
+                           sliding_window=None, softcap=None):
     """q [B, Hq, D] attends to its paged context -> [B, Hq, D] (a zero-length row gives zeros).
 
     `out` (optional, shape and dtype of q) receives the result and is returned: every row is written.
+    `sliding_window` W: only the last W keys are seen (and read); `softcap` c: scores -> c * tanh(s / c).
     """
     if resolve_backend(backend, q, k_cache) == "triton":
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                                             sliding_window=sliding_window, softcap=softcap)
+    if sliding_window or softcap:
+        return paged_decode_attention_windowed_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                   sliding_window, softcap, out)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *, out=None,
-                            backend=None):
+                            backend=None, sliding_window=None, softcap=None):
     """Causal attention of each sequence's new tokens (the last ones of its context) -> [total_q, Hq, D].
 
     `out` (optional) receives the result; rows outside every sequence's query range are unspecified.
+    `sliding_window` W: the token at position p sees keys p-W+1..p; `softcap` as for decode.
     """
     if resolve_backend(backend, q, k_cache) == "triton":
         return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                              scale, out)
+                                              scale, out, sliding_window=sliding_window, softcap=softcap)
+    if sliding_window or softcap:
+        return paged_prefill_attention_windowed_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                                    scale, sliding_window, softcap, out)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                        out)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "qwen3_moe", "mixtral")
-NEW_FAMILIES = ("phi3", "qwen3_moe", "mixtral")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+NEW_FAMILIES = ("phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3")  # tests/test_model_families.py
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -96,6 +96,16 @@ def _new_family_config(arch: str, common: dict, overrides: dict):
     raise ValueError(arch)
 
 
+def _liven_gemma(model) -> None:
+    """Gemma's norms start at zero (a scale of 1) and its embeddings are multiplied by sqrt(hidden): a random
+    model then just repeats its input token. Random norm scales and small embeddings make every layer count."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 1.0)
+        model.model.embed_tokens.weight.mul_(0.1)
+
+
 def build_model(arch: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides):
     """Save a random model (and tokenizer) to `path`; return the HF model in fp32 eval mode."""
     from transformers import AutoModelForCausalLM
@@ -108,5 +118,7 @@ def build_model(arch: str, path: Path, seed: int = 0, with_tokenizer: bool = Tru
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if arch.startswith("gemma"):
+        _liven_gemma(model)
     model.save_pretrained(path)
     return model
