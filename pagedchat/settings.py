@@ -18,6 +18,7 @@ class ModelOptions:
     block_size: int = 16
     kv_memory: Optional[str] = None
     max_context: Optional[int] = None
+    kv_allocation: str = "paged"    # serve only: "reserved" is the contiguous-cache peer of `bench serve`
 
 
 @dataclass
@@ -45,7 +46,8 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
-                          kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust)
+                          kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
+                          kv_allocation=opts.kv_allocation)
     engine = Engine(config, show_progress=show_progress)
     if entry.table.get("chat_template") and engine.tokenizer is not None:
         engine.tokenizer.chat_template = _read_template(entry.table["chat_template"], entry)

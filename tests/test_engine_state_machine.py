@@ -3,7 +3,8 @@ over the real engine (model-free runner). After every rule: refcounts equal tabl
 total, no block both free and referenced, no write into a shared block (the runner asserts it), every
 computed token's KV in the right slot, waiting sequences hold no blocks; `finish` drains the engine within a
 bounded number of steps (a full pool never hangs); and when everything is aborted and released, the pool is
-all free again.
+all free again. The same program runs on the up-front reservation mode (kv_allocation="reserved", the peer
+of `bench serve`), where every admitted request also holds the blocks of its whole reply.
 
 CI runs EXAMPLES x STEPS (100 x 100) programs and asserts that they took at least 10,000 engine steps; a
 nightly-style run raises PAGEDCHAT_FUZZ_EXAMPLES / PAGEDCHAT_FUZZ_STEPS."""
@@ -33,10 +34,14 @@ COUNTS: Counter = Counter()
 
 
 class EngineMachine(RuleBasedStateMachine):
+    KV_ALLOCATION = "paged"
+
     def __init__(self):
         super().__init__()
-        self.engine, self.runner = fake_engine(num_blocks=16, block_size=8, max_num_batched_tokens=16)
+        self.engine, self.runner = fake_engine(num_blocks=16, block_size=8, max_num_batched_tokens=16,
+                                               kv_allocation=self.KV_ALLOCATION)
         self.request_ids: list[str] = []
+        self.fork_ids: set[str] = set()   # engine.fork children grow from their parent's table, not reserved
         self.heads: list = []        # every handle ever pinned: a chat session keeps them even once evicted
         scheduler = self.engine.scheduler
         real_evict = scheduler.evict_pin
@@ -102,6 +107,7 @@ class EngineMachine(RuleBasedStateMachine):
         handle = data.draw(st.sampled_from(self.running() + self.pinned()))
         if handle.num_tokens + 1 < self.engine.max_model_len:
             self.request_ids.append(self.engine.fork(handle, SamplingParams(temperature=0, max_tokens=3), keep=keep))
+            self.fork_ids.add(self.request_ids[-1])
 
     @rule(count=st.integers(1, 4))
     def step(self, count):
@@ -158,6 +164,20 @@ class EngineMachine(RuleBasedStateMachine):
             self.runner.check_sequence(seq)
         for seq in engine.scheduler.waiting:
             assert not seq.block_table and seq.num_computed == 0, f"waiting {seq} sits on blocks"
+        if self.KV_ALLOCATION == "reserved":
+            self.holds_whole_reply()
+
+    def holds_whole_reply(self):
+        """Reserved: an admitted request holds the blocks of prompt + max_tokens (within the context) for
+        as long as it runs, and a pin only the blocks of its tokens."""
+        scheduler = self.engine.scheduler
+        assert not self.engine.pool.hash_to_block, "a contiguous cache shares no blocks: nothing is indexed"
+        for seq in self.running():
+            if seq.request.request_id not in self.fork_ids:
+                full = min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.engine.max_model_len)
+                assert len(seq.block_table) >= scheduler.blocks_for(full), f"{seq} holds less than its reply"
+        for seq in self.pinned():
+            assert len(seq.block_table) <= scheduler.blocks_for(seq.num_tokens), f"pin {seq} keeps unused blocks"
 
     def teardown(self):
         """After the program: abort and release everything; every block must come back."""
@@ -180,6 +200,10 @@ SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=N
                     suppress_health_check=list(HealthCheck))
 
 
+class ReservedEngineMachine(EngineMachine):
+    KV_ALLOCATION = "reserved"
+
+
 def test_engine_state_machine():
     COUNTS.clear()
     run_state_machine_as_test(EngineMachine, settings=SETTINGS)
@@ -189,4 +213,13 @@ def test_engine_state_machine():
     # the run really went through the paths it is meant to exercise
     for path in ("engine preemptions", "preempted", "pins dropped", "switch to evicted head", "cow copies",
                  "failed alone", "finish", "prefix hit tokens"):
+        assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
+
+
+def test_reserved_engine_state_machine():
+    """Up-front reservation: the same invariants; requests too big to reserve fail alone, nothing hangs."""
+    COUNTS.clear()
+    run_state_machine_as_test(ReservedEngineMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
+    print(f"\nreserved state machine: {dict(COUNTS)}")
+    for path in ("preempted", "failed alone", "finish"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"

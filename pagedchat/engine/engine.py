@@ -95,7 +95,9 @@ class Engine:
         self.max_model_len = self.loaded.max_model_len
         self.runner = runner or ModelRunner(self.loaded, config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   reserve_upfront=config.kv_allocation == "reserved",
+                                   max_model_len=self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
