@@ -11,16 +11,15 @@ import json
 import sys
 
 from pagedchat.chat.app import start
-from pagedchat.chat.controller import ContextFull
-from pagedchat.chat.shell import stop_on_ctrl_c
+from pagedchat.chat.backend import ContextFull, stop_on_ctrl_c
 from pagedchat.settings import ModelOptions, SamplingOptions
 from pagedchat.errors import UserError
+from pagedchat.prompts import require_text
 
 
 def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: str, session: str | None,
                    continue_last: bool, system: str | None, num_variants: int, as_json: bool) -> int:
-    if not text or not text.strip():
-        raise UserError("the prompt is empty")
+    require_text(text)
     ctl, created = start(model_opts, sampling, session, continue_last, system, show_progress=not as_json)
     current = ctl.session
     if system is not None and not created and (current.system or None) != (system or None) \
@@ -42,7 +41,7 @@ def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: st
         raise UserError(f"the head of session {current.name} (#{head.id}) is a message with no reply; answer "
                         f"it in `pagedchat chat --session {current.name}` (/regen)")
     try:
-        with stop_on_ctrl_c(ctl):
+        with stop_on_ctrl_c(ctl.backend):
             result = ctl.send(text, n=num_variants, on_update=write if streaming else None)
     except ContextFull as e:
         raise UserError(f"{e.what}; start a new session (--session NEW), or open this one with "
@@ -71,7 +70,7 @@ def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: st
 def _report(ctl, result) -> dict:
     """The DESIGN.md `--json` shape, plus where the exchange went in the session."""
     stats = result.stats
-    pool = ctl.engine.pool.stats()
+    pool = ctl.backend.pool_stats()
     decode = stats["tokens_per_s"]
     return {
         "model": ctl.entry.name,
@@ -84,4 +83,5 @@ def _report(ctl, result) -> dict:
         "kv": {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
                "prefix_hit_tokens": pool.prefix_hit_tokens},
         "timing": {"ttft_s": stats["ttft_s"], "decode_tokens_per_s": decode, "total_s": stats["total_s"]},
+        **({"spec": spec} if (spec := ctl.backend.stats().spec) is not None else {}),
     }

@@ -33,6 +33,9 @@ def chat(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    speculate: Optional[str] = common.SPECULATE,
+    num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
+    draft_model: Optional[str] = common.DRAFT_MODEL,
 ) -> None:
     from rich.console import Console
     from rich.text import Text
@@ -40,8 +43,12 @@ def chat(
     from pagedchat.chat.app import start
     from pagedchat.chat.repl import run_repl
 
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
-    sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
+    model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
+                                    kv_memory=kv_memory, max_context=max_context, speculate=speculate,
+                                    num_draft_tokens=num_draft_tokens, draft_model=draft_model)
+    sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                      max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
+                                      stop=stop)
     _check_flags(sampling)
     ctl, created = start(model_opts, sampling, session, continue_last, system)
     console = Console(highlight=False)

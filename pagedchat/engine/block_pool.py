@@ -32,6 +32,10 @@ class PoolStats:
     cow_copies: int           # cumulative copy-on-write block copies
 
     @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -10,11 +11,12 @@ from pagedchat import kernels
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.scheduler import ScheduledBatch
 from pagedchat.engine.sequence import Sequence
-from pagedchat.errors import UserError
+from pagedchat.errors import SettingError
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.model.loader import LoadedModel
 
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+log = logging.getLogger("pagedchat.engine")   # with no logging set up, warnings still reach stderr
 
 
 def _available_ram() -> int:
@@ -57,8 +59,8 @@ class ModelRunner:
                 int(_available_ram() * config.kv_fraction)
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
-            raise UserError(f"--kv-memory {budget} bytes holds no KV block: one block of {self.block_size} "
-                            f"tokens needs {self.bytes_per_block} bytes")
+            raise SettingError("kv_memory", f"{{name}} {budget} bytes holds no KV block: one block of "
+                                            f"{self.block_size} tokens needs {self.bytes_per_block} bytes")
         return int(num_blocks)
 
     def _free_memory_budget(self, config: EngineConfig) -> int:
@@ -100,7 +102,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token."""
+        """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token
+        (1 + len(draft_ids) rows for a sequence with drafts, in batch order)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
         if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
@@ -122,13 +125,14 @@ class ModelRunner:
         for seq, n in batch.items:
             start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
             ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.draft_ids)  # a sequence with drafts always has all of them scheduled
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tables.append(table + [0] * (max_blocks - len(table)))
             seq_lens.append(end)
             cu.append(cu[-1] + n)
-            if end == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
+            if end == seq.num_tokens + len(seq.draft_ids):  # one row per drafted position too
+                sample_rows.extend(range(cu[-1] - 1 - len(seq.draft_ids), cu[-1]))
                 samplers.append(seq)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
@@ -169,10 +173,7 @@ class DecodeGraphs:
         try:
             graphs._capture_all()
         except Exception as e:  # a model or kernel that cannot be captured still runs, just eagerly
-            import sys
-
-            print(f"pagedchat: CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly",
-                  file=sys.stderr)
+            log.warning("pagedchat: CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
             return None
         return graphs
 

@@ -41,6 +41,8 @@ class Sequence:
         self.emitted = 0                    # characters of text already streamed
         self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
         self.detok_stream = None            # fast-tokenizer DecodeStream
+        self.draft_ids: list[int] = []      # proposed tokens verified in this step (speculative decoding)
+        self.spec = None                    # speculative.SpecState: acceptance history, n-gram index
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +78,7 @@ class Request:
     prefix_hit_tokens: int | None = None  # set at first admission
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
+    context: list[list[int]] = field(default_factory=list)  # related token streams the n-gram drafts search
 
     @property
     def num_prompt_tokens(self) -> int:
