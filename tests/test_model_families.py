@@ -114,3 +114,26 @@ def test_models_show_names_the_family(typer_cli, model_dirs, arch):
     shown = json.loads(typer_cli("models", "show", str(model_dirs[arch][0]), "--json").output)
     family = {s["key"]: s["value"] for s in shown["settings"]}["family"]
     assert family.startswith(f"{arch}: ")
+
+
+def test_gemma_releases_window_blocks_and_follow_ups_stay_exact(model_dirs):
+    """Window groups give blocks back as a chat grows; a follow-up turn from the pinned branch and a
+    branch from an earlier point (whose window blocks are gone: recomputed) both match transformers."""
+    engine, hf = engine_for(model_dirs, "gemma3", block_size=8), model_dirs["gemma3"][1]
+    window = hf.config.sliding_window
+    groups = engine.runner.kv_groups
+    assert groups.num_window_groups == 2 and groups.num_slots == 2   # 2 global, 4 window layers
+    prompt = prompts(1, seed=16, lo=40, hi=40)[0]
+    first = engine.generate([prompt], GREEDY.with_(max_tokens=20), keep=True)[0].outputs[0]
+    head = first.handle
+    dead = (head.num_computed - window + 1) // 8
+    assert dead > 0 and all(t[:dead] == [-1] * dead for t in head.window_tables)
+    assert engine.pool.num_used == len(head.block_table) + 2 * (len(head.block_table) - dead)
+    for follow_up, reused in ((first.token_ids_all + [7, 8, 9], True), (prompt[:30] + [11, 12], False)):
+        rid = engine.add_request(follow_up, GREEDY.with_(max_tokens=24), parent=head)
+        while not engine.requests[rid].finished:
+            engine.step()
+        out = engine.pop_output(rid)
+        assert (out.prefix_hit_tokens > 0) == reused
+        assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, follow_up, 24))
+    engine.check_invariants()

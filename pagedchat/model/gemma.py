@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedchat.model.kv_groups import plan_groups
 from pagedchat.model.attention import AttentionMetadata, PagedAttention
 from pagedchat.model.llama import ArchSpec
 from pagedchat.model.rope import TableRotary
@@ -61,12 +62,13 @@ class WindowedAttention(PagedAttention):
     def __init__(self, num_heads, num_kv_heads, head_dim, scale, sliding_window=None, softcap=None):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.sliding_window, self.softcap = sliding_window, softcap
+        self.window_group = -1  # index among the window groups when the pool releases behind the window
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         from pagedchat import kernels
 
-        if self.sliding_window and meta.window_meta is not None:
-            meta = meta.window_meta
+        if self.window_group >= 0 and meta.window_metas:
+            meta = meta.window_metas[self.window_group]
         kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=self.backend)
         extra = dict(backend=self.backend, sliding_window=self.sliding_window, softcap=self.softcap)
         if meta.is_decode:
@@ -140,10 +142,16 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
+        self.groups = plan_groups(list(gemma.windows))
+        for layer, group in zip(self.layers, self.groups.layer_group):
+            layer.self_attn.attn.window_group = group - 1
 
     def tie_weights(self) -> None:
         if self.spec.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def kv_groups(self):
+        return self.groups
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
