@@ -254,6 +254,48 @@ def serve(
     print_json(result) if as_json else print_serve_report(result)
 
 
+@bench.command("spec", help="Speculative decoding: decode tokens/s with and without it on the same prompts, one "
+                            "run: edit-like, regenerate and plain workloads at batch 1 and a larger batch.")
+def spec(
+    model: Optional[str] = MODEL,
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = typer.Option("small", "--random-size", help="tiny, small or 1b."),
+    method: str = typer.Option("ngram", "--speculate", help="ngram or draft (with --draft-model)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model for --speculate draft."),
+    batch: int = typer.Option(16, "--batch", help="The larger batch (batch 1 always runs)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="New tokens per request (EOS ignored)."),
+    num_draft_tokens: int = typer.Option(6, "--num-draft-tokens", help="Most drafts per sequence and step."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per side, taking turns; the median counts."),
+    device: str = DEVICE,
+    threads: Optional[int] = THREADS,
+    seed: int = SEED,
+    as_json: bool = JSON,
+    plot: Optional[str] = PLOT,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat.bench.common import print_json
+    from pagedchat.bench.models import resolve_device, resolve_model
+    from pagedchat.bench.spec import plot_spec, print_spec_report, run_spec_bench
+
+    device = resolve_device(device)
+    plot = _plot_path(plot)
+    if method not in ("ngram", "draft"):
+        raise UserError(f"--speculate must be ngram or draft here, got {method!r}")
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, random_arch, random_size, Path(tmp))
+        draft = str(resolve_model(draft_model, None, random_size, Path(tmp))[0]) if draft_model else None
+        result = run_spec_bench(path, name, method, batches=(1, batch) if batch > 1 else (1,),
+                                max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, repeats=repeats,
+                                device=device, threads=_threads(threads, device), seed=seed, draft_model=draft)
+    if plot:
+        plot_spec(result, plot)
+        result["plot"] = plot
+    _stamp(result)
+    print_json(result) if as_json else print_spec_report(result)
+
+
 def _stamp(result: dict) -> None:
     """Provenance for every number: the exact command line, the date and the machine."""
     import datetime

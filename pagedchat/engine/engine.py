@@ -28,7 +28,7 @@ from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.output_processor import OutputProcessor
 from pagedchat.engine.outputs import Branch, CompletionOutput, EngineStats, RequestOutput, TokenEvent
-from pagedchat.engine.runner import ModelRunner
+from pagedchat.engine.runner import ModelRunner, kv_bytes_per_block
 from pagedchat.engine.sampler import Sampler, variant_generator
 from pagedchat.engine.sampling_params import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
@@ -54,7 +54,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = set(self.loaded.eos_token_ids)
         self.max_model_len = self.loaded.max_model_len
-        self.runner = runner or ModelRunner(self.loaded, config)
+        self.draft = self._load_draft(config, show_progress)
+        self.runner = runner or ModelRunner(self.loaded, config, self._draft_bytes_per_block(config))
         groups = getattr(self.runner, "kv_groups", None)
         windowed = groups is not None and groups.num_window_groups > 0
         # A prefix-cache hit would also need the window groups' blocks just before it, which are released
@@ -72,6 +73,16 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
+    def _load_draft(self, config: EngineConfig, show_progress: bool) -> LoadedModel | None:
+        if not config.draft_model:
+            return None
+        from pagedchat.engine.draft import load_draft
+
+        return load_draft(config, self.loaded, show_progress)
+
+    def _draft_bytes_per_block(self, config: EngineConfig) -> int:
+        return kv_bytes_per_block(self.draft, config.block_size) if self.draft is not None else 0
+
     def set_speculation(self, method: str) -> None:
         """Switch speculative decoding between steps: off, ngram, or draft (needs the config's draft model).
         A draft model is loaded once and kept."""
@@ -80,7 +91,7 @@ class Engine:
             return
         if method not in ("ngram", "draft"):
             raise UserError(f"speculate must be ngram, draft or off, got {method!r}")
-        if method == "draft" and not self.config.draft_model:
+        if method == "draft" and self.draft is None:
             raise UserError("speculate draft needs a draft model: start with --draft-model NAME|PATH")
         if method not in self._speculators:
             if method == "ngram":
@@ -88,7 +99,7 @@ class Engine:
             else:
                 from pagedchat.engine.draft import DraftProposer
 
-                proposer = DraftProposer(self.config, self)
+                proposer = DraftProposer(self.draft, self.config, self.runner.num_blocks, self.loaded.spec.vocab_size)
             self._speculators[method] = Speculator(method, self.config.num_draft_tokens, proposer,
                                                    self.max_model_len)
         self.speculator = self._speculators[method]
@@ -377,6 +388,9 @@ class Engine:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.scheduler.all_tables())
+        draft = self._speculators.get("draft")
+        if draft is not None:
+            draft.proposer.pool.check_invariants(draft.proposer.tables())
 
 
 def _sequence(handle: Branch | Sequence | None) -> Sequence | None:

@@ -23,8 +23,16 @@ def _available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    spec = loaded.spec
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim \
+        * torch.empty((), dtype=loaded.dtype).element_size()
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, extra_bytes_per_block: int = 0):
+        """extra_bytes_per_block: what each block also costs elsewhere (a draft model's KV for as many
+        tokens), so the memory budget is split between the two by bytes per token."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -35,9 +43,8 @@ class ModelRunner:
         self.kv_groups = self.model.kv_groups() if hasattr(self.model, "kv_groups") else None
         num_slots = self.kv_groups.num_slots if self.kv_groups else spec.num_layers
         slots = self.kv_groups.layer_slot if self.kv_groups else range(spec.num_layers)
-        self.bytes_per_block = 2 * num_slots * config.block_size * spec.num_kv_heads * spec.head_dim \
-            * torch.empty((), dtype=loaded.dtype).element_size()
-        self.num_blocks = self._num_blocks(config)
+        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size) * num_slots // spec.num_layers
+        self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
         shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
         # Zero-filled: the torch path reads padded slots (masked, but 0 * NaN would still be NaN).
         self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
@@ -52,10 +59,13 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs and not self._window_groups():
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
 
-    def _window_groups(self) -> int:
-        return self.kv_groups.num_window_groups if self.kv_groups else 0
-
-    def _num_blocks(self, config: EngineConfig) -> int:
+        # Models with sliding-window layer groups (window_groups.py): a block holds `num_slots` layers, and
+        # each layer reads the cache tensor of its slot through its group's block table.
+        self.kv_groups = self.model.kv_groups() if hasattr(self.model, "kv_groups") else None
+        num_slots = self.kv_groups.num_slots if self.kv_groups else spec.num_layers
+        slots = self.kv_groups.layer_slot if self.kv_groups else range(spec.num_layers)
+        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size) * num_slots // spec.num_layers
+        self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
         if config.num_blocks is not None:
             assert config.num_blocks > 0
             return config.num_blocks
@@ -65,7 +75,7 @@ class ModelRunner:
         elif budget is None:
             budget = CPU_DEFAULT_KV_BYTES if config.kv_fraction is None else \
                 int(_available_ram() * config.kv_fraction)
-        num_blocks = budget // self.bytes_per_block
+        num_blocks = budget // (self.bytes_per_block + extra_bytes_per_block)
         if num_blocks < 1:
             raise SettingError("kv_memory", f"{{name}} {budget} bytes holds no KV block: one block of "
                                             f"{self.block_size} tokens needs {self.bytes_per_block} bytes")
