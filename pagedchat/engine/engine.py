@@ -26,6 +26,8 @@ import torch
 
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
+from pagedchat.engine.grammar import Grammars
+from pagedchat.engine.logprobs import TokenLogprob, reduce_rows
 from pagedchat.engine.output_processor import OutputProcessor
 from pagedchat.engine.outputs import Branch, CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from pagedchat.engine.runner import ModelRunner, kv_bytes_per_block
@@ -72,6 +74,7 @@ class Engine:
         self.set_speculation(config.speculate)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._grammars: Grammars | None = None
 
     def _load_draft(self, config: EngineConfig, show_progress: bool) -> LoadedModel | None:
         if not config.draft_model:
@@ -119,6 +122,20 @@ class Engine:
             raise RequestError(f"model {self.loaded.path} has no tokenizer: pass token ids")
         return list(self.tokenizer(text).input_ids)
 
+    def grammars(self) -> Grammars:
+        """The structured-output backend, built on first use (it loads llguidance and wraps the tokenizer)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _matcher(self, params: SamplingParams, inherit: Sequence | None = None):
+        """The grammar state a new sequence starts in: a copy of `inherit`'s when it follows the same grammar."""
+        if params.grammar is None:
+            return None
+        if inherit is not None and inherit.matcher is not None and inherit.request.params.grammar == params.grammar:
+            return inherit.matcher.deep_copy()
+        return self.grammars().matcher(params.grammar)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, keep: bool = False, parent: Branch | None = None,
                     context: list[list[int]] | None = None) -> str:
@@ -132,8 +149,10 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        matcher = self._matcher(params)          # an unsupported grammar fails here, before anything is queued
         request = Request(request_id, ids, params, keep=keep, context=list(context or []))
         seq = Sequence(request, 0, ids)
+        seq.matcher = matcher
         seq.generator = variant_generator(params.seed, 0, self.device)
         pinned = _sequence(parent)
         seq.parent = pinned if pinned is not None and pinned.status == SeqStatus.PINNED else None
@@ -166,7 +185,8 @@ class Engine:
         every block; the first write into the shared partial block copies that one block."""
         handle = _sequence(source)
         assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
-        params = (params or handle.request.params).with_(n=1)
+        # a fork starts from computed KV: there is no prompt left to score or pool
+        params = (params or handle.request.params).with_(n=1, prompt_logprobs=None, embed=False)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
         child = self._fork_sequence(handle, request, 0)
@@ -255,15 +275,33 @@ class Engine:
         now = time.perf_counter()
         if samplers:
             logits, samplers = self._fork_variants(logits, samplers)
-            tokens = self.sampler(logits, samplers)
-            for seq, token in zip(samplers, tokens):
+            scores = self.sampler.scores(logits, samplers)
+            matchers = [s.matcher for s in samplers]
+            allowed = self.grammars().mask(scores, matchers) if any(m is not None for m in matchers) else scores
+            tokens = self.sampler.pick(allowed, samplers)
+            logprobs = self._token_logprobs(scores, samplers, tokens)
+            for seq, token, logprob in zip(samplers, tokens, logprobs):
                 if seq.spec is not None:
                     self.speculator.record(seq, 0, 0, 1)
-                events.append(self._append_tokens(seq, [token], now))
-        for seq, rows in verified:
+                events.append(self._append_tokens(seq, [token], now, logprob=logprob))
+        for seq, rows in verified:   # never a grammar or logprobs request: those do not speculate
             tokens, accepted = self.speculator.verify(seq, rows)
             events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
+
+    def _token_logprobs(self, scores: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
+        """Each chosen token's log-probability and top alternatives, for the rows that ask (else None)."""
+        rows = [i for i, s in enumerate(seqs) if s.request.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        if not rows:
+            return out
+        k = max(seqs[i].request.params.logprobs for i in rows)
+        index = torch.tensor(rows, device=scores.device)
+        chosen = torch.tensor([tokens[i] for i in rows], device=scores.device)
+        for i, reduced in zip(rows, reduce_rows(scores[index], chosen, k)):
+            reduced.top = reduced.top[:seqs[i].request.params.logprobs]
+            out[i] = reduced
+        return out
 
     @staticmethod
     def _split_drafted(logits: torch.Tensor, samplers: list[Sequence]):
@@ -286,6 +324,7 @@ class Engine:
         child = Sequence(request, index, parent.token_ids)
         self.scheduler.fork_into(parent, child)
         child.generator = variant_generator(request.params.seed, index, self.device)
+        child.matcher = self._matcher(request.params, inherit=parent)
         request.sequences.append(child)
         return child
 
@@ -308,12 +347,15 @@ class Engine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, seqs
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float, accepted: int | None = None) -> TokenEvent:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float, accepted: int | None = None,
+                       logprob: TokenLogprob | None = None) -> TokenEvent:
         """Append sampled tokens (several after a verified draft run) until one of them finishes the sequence.
         accepted: how many of them are drafts whose KV the step wrote; the pool is rolled back to those
-        before the sequence can finish, be pinned or be forked."""
-        request = seq.request
+        before the sequence can finish, be pinned or be forked. logprob: the one sampled token's, if asked."""
+        request, params = seq.request, seq.request.params
         request.first_token_time = request.first_token_time or now
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         start, reason, added = seq.num_tokens, None, []
         for token in tokens:
             added.append(token)
@@ -330,7 +372,10 @@ class Engine:
             if request.finished:
                 request.finish_time = now
         text = self.output.take_visible(seq, finished=reason is not None)
-        return TokenEvent(request.request_id, seq.index, added, text, reason)
+        prompt_logprobs = list(request.prompt_logprobs) \
+            if params.prompt_logprobs is not None and seq.num_output_tokens == 1 else None
+        return TokenEvent(request.request_id, seq.index, added, text, reason,
+                          logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs)
 
     def _fail(self, seq: Sequence) -> TokenEvent:
         """One sequence that cannot fit even alone in the pool (the scheduler already freed it) fails alone:
@@ -350,13 +395,17 @@ class Engine:
     # -- outputs --------------------------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:
         r = self.requests[request_id]
+        wants_logprobs = r.params.logprobs is not None
         outputs = [CompletionOutput(s.index, s.output_ids, s.text, s.finish_reason,
-                                    Branch(s) if s.status == SeqStatus.PINNED else None, s.error)
+                                    Branch(s) if s.status == SeqStatus.PINNED else None, s.error,
+                                    list(s.logprobs) if wants_logprobs else None)
                    for s in sorted(r.sequences, key=lambda s: s.index)]
         ttft = r.first_token_time - r.arrival_time if r.first_token_time else None
         total = r.finish_time - r.arrival_time if r.finish_time else None
+        prompt_logprobs = list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
+        embedding = (r.hidden_sum / r.pooled).float().tolist() if r.params.embed and r.pooled else None
         return RequestOutput(r.request_id, r.prompt_token_ids, outputs, r.finished, r.prefix_hit_tokens or 0,
-                             ttft, total, r.error)
+                             ttft, total, r.error, prompt_logprobs, embedding)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """The output; a finished request is forgotten (its id can be reused)."""

@@ -9,6 +9,7 @@ import torch
 
 from pagedchat import kernels
 from pagedchat.engine.config import EngineConfig
+from pagedchat.engine.logprobs import score_prompt_chunk
 from pagedchat.engine.scheduler import ScheduledBatch
 from pagedchat.engine.sequence import Sequence
 from pagedchat.errors import SettingError
@@ -128,10 +129,38 @@ class ModelRunner:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)
+        self._score_prompts(batch, hidden)
         if not sample_rows:
             return None, []
         rows = torch.tensor(sample_rows, device=self.device)
         return self.model.compute_logits(hidden[rows]), samplers
+
+    def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Prompt log-probabilities (echo) of this step's prefill chunks, reduced per chunk: row p scores
+        prompt token p + 1. A re-prefill after preemption skips the positions already scored."""
+        row = 0
+        for seq, n in batch.items:
+            k, request = seq.request.params.prompt_logprobs, seq.request
+            first = max(seq.num_computed, len(request.prompt_logprobs))
+            last = min(seq.num_computed + n, seq.num_prompt_tokens - 1)
+            if k is not None and first < last:
+                rows = hidden[row + first - seq.num_computed: row + last - seq.num_computed]
+                targets = seq.token_ids[first + 1:last + 1]
+                request.prompt_logprobs.extend(score_prompt_chunk(self.model.compute_logits, rows, targets, k))
+            if request.params.embed:
+                self._pool_prompt(seq, hidden[row:row + n])
+            row += n
+
+    @staticmethod
+    def _pool_prompt(seq: Sequence, rows: torch.Tensor) -> None:
+        """Embeddings: add this chunk's prompt positions (not pooled yet) to the request's running sum."""
+        request = seq.request
+        first = max(seq.num_computed, request.pooled)
+        last = min(seq.num_computed + rows.shape[0], seq.num_prompt_tokens)
+        if first < last:
+            chunk = rows[first - seq.num_computed:last - seq.num_computed].double().sum(dim=0)
+            request.hidden_sum = chunk if request.hidden_sum is None else request.hidden_sum + chunk
+            request.pooled = last
 
     def _prepare(self, batch: ScheduledBatch):
         """Flatten the batch into token, position and slot vectors (built as Python lists: per-sequence
