@@ -95,6 +95,10 @@ def throughput(
     systems: str = typer.Option("pagedchat,hf-generate,hf-cb", "--systems", help="Comma-separated subset."),
     repeats: int = typer.Option(1, "--repeats", help="Runs per system, taking turns; the median counts."),
     profile: bool = typer.Option(False, "--profile", help="Also profile pagedchat's steps (where time goes)."),
+    batch1: bool = typer.Option(True, "--batch1/--no-batch1", help="Also time batch-1 decode, 512-token prefill "
+                                                                   "and `run` start-up (CPU)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="llama.cpp: add it to the batch-1 rows (F32, F16, "
+                                                           "Q8_0 via llama-cpp-python; skipped if not installed)."),
     device: str = DEVICE,
     dtype: str = DTYPE,
     threads: Optional[int] = THREADS,
@@ -121,11 +125,20 @@ def throughput(
                                       systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
                                       repeats=repeats, seed=seed, threads=_threads(threads, device),
                                       profile=profile)
+        if batch1 and device == "cpu":
+            result["batch1"] = _batch1_rows(path, threads, repeats, peer, seed)
     if plot:
         plot_throughput(result, plot)
         result["plot"] = plot
     _stamp(result)
-    print_json(result) if as_json else print_throughput_report(result)
+    if as_json:
+        print_json(result)
+        return
+    print_throughput_report(result)
+    if "batch1" in result:
+        from pagedchat.bench.batch1 import print_batch1_report
+
+        print_batch1_report(result["batch1"])
 
 
 @bench.command("chat", help="Multi-turn TTFT as the history grows (pinned history vs transformers re-prefill) "
@@ -307,6 +320,17 @@ def _stamp(result: dict) -> None:
     result["command"] = "pagedchat " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result["date"] = datetime.date.today().isoformat()
     result.setdefault("machine", machine_description())
+
+
+def _batch1_rows(path, threads: Optional[int], repeats: int, peer: Optional[str], seed: int) -> dict:
+    from pagedchat.bench.batch1 import run_batch1_bench, startup_times
+
+    if peer not in (None, "llama.cpp"):
+        raise UserError(f"--peer must be llama.cpp, got {peer!r}")
+    count = _threads(threads, "cpu") or 1
+    rows = run_batch1_bench(path, count, repeats=repeats, peer=peer, seed=seed)
+    rows["startup"] = startup_times(count, max(3, repeats))
+    return rows
 
 
 def _threads(threads: Optional[int], device: str) -> Optional[int]:

@@ -47,9 +47,11 @@ class ModelRunner:
         self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size) * num_slots // spec.num_layers
         self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
         shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
-        # Zero-filled: the torch path reads padded slots (masked, but 0 * NaN would still be NaN).
-        self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
-        self.v_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
+        # Not zero-filled: no path reads a slot before it is written, or it masks what it reads (past a
+        # sequence's end, whatever the memory holds, NaN included: tests poison the pool to prove it). On CPU
+        # the untouched pages of a large pool then cost nothing at all.
+        self.k_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
+        self.v_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
         backend = "torch" if self.device.type == "cpu" else "auto"
         for layer, slot in zip(self.model.attention_layers(), slots):
             layer.k_cache, layer.v_cache, layer.backend = self.k_caches[slot], self.v_caches[slot], backend
@@ -60,27 +62,30 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs and not self._window_groups():
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
 
-        # Models with sliding-window layer groups (window_groups.py): a block holds `num_slots` layers, and
-        # each layer reads the cache tensor of its slot through its group's block table.
-        self.kv_groups = self.model.kv_groups() if hasattr(self.model, "kv_groups") else None
-        num_slots = self.kv_groups.num_slots if self.kv_groups else spec.num_layers
-        slots = self.kv_groups.layer_slot if self.kv_groups else range(spec.num_layers)
-        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size) * num_slots // spec.num_layers
-        self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
+    def _window_groups(self) -> int:
+        return self.kv_groups.num_window_groups if self.kv_groups else 0
+
+    def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:
             assert config.num_blocks > 0
             return config.num_blocks
         budget = config.kv_memory
         if budget is None and self.device.type == "cuda":
             budget = self._free_memory_budget(config)
+        elif budget is None and config.kv_fraction is None:
+            budget = min(CPU_DEFAULT_KV_BYTES,
+                         self._usable_blocks(config) * (self.bytes_per_block + extra_bytes_per_block))
         elif budget is None:
-            budget = CPU_DEFAULT_KV_BYTES if config.kv_fraction is None else \
-                int(_available_ram() * config.kv_fraction)
+            budget = int(_available_ram() * config.kv_fraction)
         num_blocks = budget // (self.bytes_per_block + extra_bytes_per_block)
         if num_blocks < 1:
             raise SettingError("kv_memory", f"{{name}} {budget} bytes holds no KV block: one block of "
                                             f"{self.block_size} tokens needs {self.bytes_per_block} bytes")
         return int(num_blocks)
+
+    def _usable_blocks(self, config: EngineConfig) -> int:
+        """Blocks the default CPU pool can ever fill: every running sequence at the full context."""
+        return -(-self.loaded.max_model_len // self.block_size) * config.max_num_seqs
 
     def _free_memory_budget(self, config: EngineConfig) -> int:
         """What is left for the pool after the weights and a profiled forward of a full step."""

@@ -28,10 +28,24 @@ class Family:
 
 
 def materialize(make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Build a module on the meta device (no memory, no init) and give it empty storage on `device`."""
+    """Build a module on the meta device (no memory, no init) and give every parameter and buffer
+    uninitialized storage on `device` (the checkpoint fills it). Not Module.to_empty: on meta tensors that
+    runs torch's Python reference ops, which import sympy (0.5 s of start-up)."""
     with torch.device("meta"):
-        module = make().to(dtype)
-    return module.to_empty(device=device)
+        module = make()
+    made: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:  # tied tensors stay one tensor
+                    kind = dtype if tensor.dtype.is_floating_point else tensor.dtype
+                    fresh = torch.empty(tuple(tensor.shape), dtype=kind, device=device)
+                    made[id(tensor)] = nn.Parameter(fresh, requires_grad=False) \
+                        if isinstance(tensor, nn.Parameter) else fresh
+                table[name] = made[id(tensor)]
+    return module
 
 
 def _llama(config, spec: ArchSpec, max_len: int, device: torch.device, dtype: torch.dtype) -> nn.Module:

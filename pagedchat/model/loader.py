@@ -12,7 +12,9 @@ import torch
 from pagedchat.dtypes import DTYPES
 from pagedchat.errors import ModelLoadError, SettingError
 from pagedchat.model.families import SUPPORTED_ARCHITECTURES, family_for
+from pagedchat.model.hf_config import read_config
 from pagedchat.model.llama import ArchSpec
+from pagedchat.model.tokenizer import load_fast_tokenizer
 
 
 
@@ -96,12 +98,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_config(model_dir: Path, trust_remote_code: bool = False):
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {str(e).splitlines()[0]}") from None
+    """config.json as attributes: read directly for the families checked against transformers, else AutoConfig
+    (every family added since, e.g. Phi-3, MoE and Gemma, goes through AutoConfig)."""
+    config = None if trust_remote_code else read_config(model_dir / "config.json")
+    if config is None:
+        config = _auto_config(model_dir, trust_remote_code)
     arch = architecture_of(config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {model_dir}; supported: "
@@ -113,14 +114,30 @@ def architecture_of(config) -> str | None:
     return (getattr(config, "architectures", None) or [None])[0]
 
 
-def load_tokenizer(model_dir: Path, trust_remote_code: bool = False, chat_template: str | None = None):
-    """The folder's tokenizer (None when it has none); chat_template replaces the folder's template."""
-    from transformers import AutoTokenizer
+def _auto_config(model_dir: Path, trust_remote_code: bool):
+    from transformers import AutoConfig
 
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {str(e).splitlines()[0]}") from None
+    return config
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The folder's tokenizer (None when it has none); chat_template replaces the folder's template. The
+    `tokenizers`-only tokenizer where it is exact, else transformers' AutoTokenizer."""
     has_files = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
                                                         "tokenizer_config.json"))
     if not has_files:
         return None
+    tokenizer = None if trust_remote_code else load_fast_tokenizer(model_dir)
+    if tokenizer is not None:
+        if chat_template:
+            tokenizer.chat_template = chat_template
+        return tokenizer
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:

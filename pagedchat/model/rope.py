@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedchat.model.layers import _rotate_half
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def _inv_freq(config, params: dict, rotary_dim: int, layer_type: str | None, **kw) -> tuple[torch.Tensor, float]:
@@ -59,12 +63,15 @@ class TableRotary:
             cos, sin = torch.where(beyond, long_cos, cos), torch.where(beyond, long_sin, sin)
         return cls(cos, sin, device)
 
-    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of x [T, H, D] (any heads: the Llama forward passes q and k in one call)."""
+        cos = self.cos[positions].to(x.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(x.dtype).unsqueeze(1)
         r = self.rotary_dim
-        if r == q.shape[-1]:
-            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        q_rot, k_rot = q[..., :r], k[..., :r]
-        return (torch.cat((q_rot * cos + _rotate_half(q_rot) * sin, q[..., r:]), dim=-1),
-                torch.cat((k_rot * cos + _rotate_half(k_rot) * sin, k[..., r:]), dim=-1))
+        if r == x.shape[-1]:
+            return x * cos + _rotate_half(x) * sin
+        x_rot = x[..., :r]
+        return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x[..., r:]), dim=-1)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return self.rotate(positions, q), self.rotate(positions, k)
