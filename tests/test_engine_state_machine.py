@@ -55,6 +55,16 @@ class EngineMachine(RuleBasedStateMachine):
             real_evict(seq)
 
         scheduler.evict_pin = evict_pin
+        if scheduler.windows:
+            real_attach = scheduler.windows.attach_cached
+
+            def attach_cached(seq, hashes):
+                hit = real_attach(seq, hashes)
+                COUNTS["window prefix hits"] += hit > 0
+                COUNTS["window prefix hits behind released blocks"] += seq.window_tables[0][:1] == [-1]
+                return hit
+
+            scheduler.windows.attach_cached = attach_cached
 
     def pinned(self):
         return list(self.engine.scheduler.pins.values())
@@ -269,11 +279,12 @@ def test_reserved_engine_state_machine():
 
 def test_windowed_engine_state_machine():
     """Sliding-window groups: the same invariants, plus window tables released exactly behind the window and
-    holding the right tokens in front of it, through forks, pins, switches (forks at earlier points) and
-    preemption."""
+    holding the right tokens in front of it, through forks, pins, switches (forks at earlier points),
+    prefix-cache hits (released blocks hit again while cached) and preemption."""
     COUNTS.clear()
     run_state_machine_as_test(WindowedEngineMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
     print(f"\nwindowed state machine: {dict(COUNTS)}")
     for path in ("preempted", "failed alone", "finish", "cow copies", "switch to evicted head",
-                 "released window blocks seen"):
+                 "released window blocks seen", "window prefix hits",
+                 "window prefix hits behind released blocks"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"

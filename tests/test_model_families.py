@@ -22,37 +22,51 @@ def prompts(n, seed, lo=3, hi=80):
     return [[rng.randrange(3, 320) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+# The prompts every family is checked on (alone: the first; batched with chunked prefill: the first two;
+# under preemption: all four), so each needs its transformers reference only once.
+PROMPTS = prompts(4, seed=13, lo=20, hi=50)
+# A block holds one layer slot per group member, and Gemma's window groups hold blocks of their own: the
+# same token budget needs more blocks there. Each size still preempts with four 64-token replies.
+SMALL_POOL = {"gemma3": 28}
+_REFERENCES: dict = {}
+
+
+def ref(model_dirs, arch, prompt, tokens=TOKENS):
+    key = (arch, tuple(prompt), tokens)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference(model_dirs[arch][1], prompt, tokens)
+    return _REFERENCES[key]
+
+
 def engine_for(model_dirs, arch, **kw):
     return Engine(EngineConfig(model=str(model_dirs[arch][0]), **{"num_blocks": 256, **kw}), show_progress=False)
 
 
-def check(engine, hf, batch):
+def check(engine, model_dirs, arch, batch):
     for prompt, out in zip(batch, engine.generate(batch, GREEDY)):
-        assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, TOKENS))
+        assert_greedy_equal(out.outputs[0].token_ids, *ref(model_dirs, arch, prompt))
     engine.check_invariants()
     assert engine.pool.num_used == 0
 
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
 def test_64_tokens_alone_batched_chunked_preempted(model_dirs, arch):
-    hf = model_dirs[arch][1]
-    check(engine_for(model_dirs, arch), hf, prompts(1, seed=11))
-    check(engine_for(model_dirs, arch, max_num_batched_tokens=9), hf, prompts(2, seed=12, lo=20))
-    small = engine_for(model_dirs, arch, num_blocks=20, block_size=8)
-    check(small, hf, prompts(4, seed=13, lo=20, hi=50))
+    check(engine_for(model_dirs, arch), model_dirs, arch, PROMPTS[:1])
+    check(engine_for(model_dirs, arch, max_num_batched_tokens=9), model_dirs, arch, PROMPTS[:2])
+    small = engine_for(model_dirs, arch, num_blocks=SMALL_POOL.get(arch, 20), block_size=8)
+    check(small, model_dirs, arch, PROMPTS)
     assert small.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
 def test_64_tokens_through_a_fork(model_dirs, arch):
-    engine, hf = engine_for(model_dirs, arch), model_dirs[arch][1]
-    prompt = prompts(1, seed=14, lo=30, hi=30)[0]
+    engine, prompt = engine_for(model_dirs, arch), PROMPTS[0]
     parent = engine.generate([prompt], GREEDY.with_(max_tokens=5), keep=True)[0].outputs[0]
     child = engine.fork(parent.handle, GREEDY.with_(max_tokens=TOKENS - 5))
     while not engine.requests[child].finished:
         engine.step()
     tokens = parent.token_ids + engine.pop_output(child).outputs[0].token_ids
-    assert_greedy_equal(tokens, *reference(hf, prompt, TOKENS))
+    assert_greedy_equal(tokens, *ref(model_dirs, arch, prompt))
 
 
 def test_phi3_longrope_tables_switch_to_long_factors_past_the_original_context(model_dirs):
@@ -136,4 +150,17 @@ def test_gemma_releases_window_blocks_and_follow_ups_stay_exact(model_dirs):
         out = engine.pop_output(rid)
         assert (out.prefix_hit_tokens > 0) == reused
         assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, follow_up, 24))
+    engine.check_invariants()
+
+
+def test_gemma_prefix_cache_hits_window_blocks_released_but_still_cached(model_dirs):
+    """A prompt sharing 50 tokens with a finished one hits the cache for 48 (six blocks): the global blocks,
+    and in each window group the blocks of the window before the hit, released by then but still cached."""
+    engine, hf = engine_for(model_dirs, "gemma3", block_size=8), model_dirs["gemma3"][1]
+    first = prompts(1, seed=17, lo=60, hi=60)[0]
+    engine.generate([first], GREEDY.with_(max_tokens=4))
+    second = first[:50] + [5, 6, 7]
+    out = engine.generate([second], GREEDY.with_(max_tokens=24))[0]
+    assert out.prefix_hit_tokens == 48
+    assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, second, 24))
     engine.check_invariants()

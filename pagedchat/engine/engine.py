@@ -60,9 +60,7 @@ class Engine:
         self.runner = runner or ModelRunner(self.loaded, config, self._draft_bytes_per_block(config))
         groups = getattr(self.runner, "kv_groups", None)
         windowed = groups is not None and groups.num_window_groups > 0
-        # A prefix-cache hit would also need the window groups' blocks just before it, which are released
-        # as sequences advance: models with window groups share through forks and pins only.
-        self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache and not windowed)
+        self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
         windows = WindowTables(self.pool, groups.num_window_groups, groups.window) if windowed else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    reserve_upfront=config.kv_allocation == "reserved",

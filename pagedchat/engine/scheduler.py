@@ -205,6 +205,9 @@ class Scheduler:
                 self.pool.incref(block)
                 seq.block_table.append(block)
                 seq.block_hashes.append(h)
+            if self.windows and seq.block_table:
+                self._free_tail(seq, self.windows.attach_cached(seq, seq.block_hashes))
+                del seq.block_hashes[len(seq.block_table):]
             seq.num_computed = len(seq.block_table) * bs
 
     def fork_into(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
@@ -243,8 +246,10 @@ class Scheduler:
         while len(seq.block_hashes) < min(seq.num_computed // bs, len(seq.block_table)):
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(self.pool.register(seq.block_table[i], parent,
-                                                       tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(self.pool.register(seq.block_table[i], parent, tokens))
+            if self.windows:
+                self.windows.register(seq, i, parent, tokens)
 
     def _drop_unused_tail(self, seq: Sequence) -> None:
         """A pin keeps the blocks of its tokens only; reserved blocks a reply ended before using go back."""

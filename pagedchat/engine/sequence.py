@@ -33,7 +33,6 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []   # chain hashes of the leading full, computed blocks
         self.window_tables: list[list[int]] = []  # sliding-window layer groups' tables (window_groups.py)
-        self.window_tables: list[list[int]] = []  # sliding-window layer groups' tables (window_groups.py)
         self.num_computed = 0               # tokens whose K/V are in the pool
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None

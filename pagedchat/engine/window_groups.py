@@ -14,9 +14,11 @@ Why this stays correct:
     and copy its -1 entries as they are;
   - a new turn forked from a pinned branch at an earlier point k (an edit, a regenerate) needs the blocks
     of keys k - window + 1 .. k - 1: `usable_prefix` gives k only when they are all live, else 0 (recompute);
-  - the chained-hash prefix cache is off for these models: a hit would also need the window groups' blocks
-    of the last `window` tokens before it, which are released as sequences advance (forks and pins share
-    blocks as for every model);
+  - the chained-hash prefix cache keys each window group's blocks by (chain hash, group) in the one pool's
+    table (block_pool.group_key); a released block that had become full stays cached, free, until it is
+    reused. A hit of k tokens needs the global blocks of 0..k-1 and, in every window group, the blocks of
+    keys k - window + 1 .. k - 1 (what the query at k sees): `attach_cached` shortens the global hit to the
+    longest k for which they are all still cached, and gives the window tables -1 before them;
   - copy-on-write: the partial block of each window table is copied before a write when shared, like the
     global one; released entries are never written (writes happen at positions >= c);
   - preemption frees every table; the re-prefill recomputes from token 0.
@@ -66,7 +68,7 @@ class WindowTables:
 
     def release_behind(self, seq: Sequence) -> None:
         """Free the blocks no future query of this sequence can see."""
-        dead = max(0, seq.num_computed - self.window + 1) // self.block_size
+        dead = self._first_needed(seq.num_computed)
         for table in seq.window_tables:
             index = min(dead, len(table)) - 1
             # Released entries form a prefix: walk back from the frontier only over the newly dead ones.
@@ -92,13 +94,45 @@ class WindowTables:
                     self.pool.incref(block)
             child.window_tables.append(list(part))
 
+    def register(self, seq: Sequence, index: int, parent_hash: int | None, tokens: tuple[int, ...]) -> None:
+        """Index block `index` of every window table (it has just become full and computed, like the
+        global one), so that a later prompt with the same prefix can hit it even once released."""
+        for group, table in enumerate(seq.window_tables, start=1):
+            if index < len(table) and table[index] != RELEASED:
+                self.pool.register(table[index], parent_hash, tokens, group)
+
+    def attach_cached(self, seq: Sequence, hashes: list[int]) -> int:
+        """After a prefix-cache hit of len(hashes) global blocks: the longest hit of j <= len(hashes)
+        blocks whose window keys are cached in every window group. The window tables take those blocks
+        (-1 before them, as if released); returns j (the caller drops the global blocks past it)."""
+        bs, tokens = self.block_size, seq.token_ids
+        found: list[list[int] | None] = []  # per block index: its block in every window group, or None
+        for i in range(len(hashes)):
+            parent, chunk = hashes[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])
+            blocks = [self.pool.lookup(parent, chunk, group) for group in range(1, self.num_groups + 1)]
+            found.append(None if None in blocks else [b for b, _ in blocks])
+        j = len(hashes)
+        while j and any(found[i] is None for i in range(self._first_needed(j * bs), j)):
+            j -= 1
+        first = self._first_needed(j * bs)
+        seq.window_tables = [[RELEASED] * first for _ in range(self.num_groups)]
+        for i in range(first, j):
+            for table, block in zip(seq.window_tables, found[i]):
+                self.pool.incref(block)
+                table.append(block)
+        return j
+
+    def _first_needed(self, k: int) -> int:
+        """First block index a query at position k still sees (the keys k - window + 1 .. k)."""
+        return max(0, k - self.window + 1) // self.block_size
+
     def usable_prefix(self, parent: Sequence, k: int) -> int:
         """The longest fork point <= k whose window blocks are all live in the parent (else 0)."""
         if not parent.window_tables or k == 0:
             return k
         table = parent.window_tables[0]
         first_live = next((i for i, b in enumerate(table) if b != RELEASED), len(table))
-        return k if max(0, k - self.window + 1) >= first_live * self.block_size else 0
+        return k if self._first_needed(k) >= first_live else 0
 
     def trim(self, seq: Sequence, keep: int) -> None:
         for table in seq.window_tables:
