@@ -99,12 +99,13 @@ def test_fused_moe_triton_matches_torch_twin(monkeypatch, num_tokens, num_expert
     torch.testing.assert_close(ours.double(), oracle, rtol=1e-3, atol=1e-4)
 
 
-def test_grouped_moe_equals_per_token_loop():
-    g = torch.Generator().manual_seed(0)
-    x, w13, w2 = torch.randn(9, 8, generator=g), torch.randn(4, 6, 8, generator=g), torch.randn(4, 8, 3, generator=g)
-    weights, ids = torch.rand(9, 2, generator=g), torch.randint(0, 4, (9, 2), generator=g)
+@pytest.mark.parametrize("num_tokens", [9, 1])  # 1: the batch-1 decode path
+def test_grouped_moe_equals_per_token_loop(num_tokens):
+    g = torch.Generator().manual_seed(num_tokens)
+    x, w13, w2 = torch.randn(num_tokens, 8, generator=g), torch.randn(4, 6, 8, generator=g), torch.randn(4, 8, 3, generator=g)
+    weights, ids = torch.rand(num_tokens, 2, generator=g), torch.randint(0, 4, (num_tokens, 2), generator=g)
     expected = torch.stack([sum(weights[t, j] * (w2[e] @ K.moe_reference.silu_and_mul(w13[e] @ x[t]))
-                                for j, e in enumerate(ids[t].tolist())) for t in range(9)])
+                                for j, e in enumerate(ids[t].tolist())) for t in range(num_tokens)])
     torch.testing.assert_close(K.fused_moe_ref(x, w13, w2, weights, ids), expected)
 
 
