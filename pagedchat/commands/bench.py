@@ -44,11 +44,15 @@ def memory(
                                                                 "table size)."),
     beams: int = typer.Option(0, "--beams", help="Also measure beam search with W beams over 1k/2k-token "
                                                  "prompts vs one sequence and a contiguous per-beam cache."),
+    window: bool = typer.Option(True, "--window/--no-window", help="Sliding-window rows: a Gemma-3-shaped "
+                                "model (5 window : 1 global, window 1024) releasing blocks vs holding them, "
+                                "at 8k and 32k contexts."),
     as_json: bool = JSON,
     plot: Optional[str] = PLOT,
 ) -> None:
     from pagedchat.bench.common import print_json
     from pagedchat.bench.memory import TraceParams, print_memory_report, run_memory_bench
+    from pagedchat.bench.window import print_window_report, run_window_bench
 
     if beams < 0:
         raise UserError(f"--beams must be >= 1, got {beams}")
@@ -64,9 +68,16 @@ def memory(
         result["beams"] = run_beam_memory_bench(beams, block_size=block_size)
         if plot:
             _plot_beams(result["beams"], _plot_path(plot))
+    if window:
+        result["sliding_window"] = run_window_bench()
     _stamp(result)
-    print_json(result) if as_json else print_memory_report(result)
-    if beams and not as_json:
+    if as_json:
+        print_json(result)
+        return
+    print_memory_report(result)
+    if window:
+        print_window_report(result["sliding_window"])
+    if beams:
         print_beam_report(result["beams"])
 
 

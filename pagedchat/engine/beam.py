@@ -160,9 +160,7 @@ def fork_beam(parent: Sequence, scheduler) -> Sequence:
     request = parent.request
     child = Sequence(request, parent.index, parent.token_ids)
     if parent.status == SeqStatus.RUNNING:
-        child.block_table = scheduler.pool.fork_table(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed = parent.num_computed
+        scheduler.fork_into(parent, child)     # its tables shared, refcounts + 1 (window layers' too)
         scheduler.add_running(child)
     else:
         child.status = SeqStatus.WAITING    # queued by next_beams once it has its token
