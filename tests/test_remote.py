@@ -1,0 +1,254 @@
+"""`chat` / `run --server URL`: a real `pagedchat serve` subprocess on the tiny model generates, and the
+results must be the local engine's: the same tokens at temperature 0, the same session files (started
+locally, continued remotely and back), /fork 3 as three siblings, the server's cached_tokens on turn 2,
+one-line errors (refused, 401, 404 model, a server killed mid-reply) that leave the session file as it was,
+and the chat-completions fallback for a model with no local tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from cli_util import read_session
+
+KEY = "remote-test-key"
+
+
+def start_server(model: Path, tmp: Path, api_key: str | None = None) -> tuple[subprocess.Popen, str]:
+    """`pagedchat serve` on a free port; (process, base URL) once it listens."""
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "server-config"), "PYTHONUNBUFFERED": "1"}
+    env.pop("PAGEDCHAT_API_KEY", None)
+    args = [sys.executable, "-m", "pagedchat.cli", "serve", "-m", str(model), "--port", "0", "--device", "cpu",
+            "--kv-memory", "2MiB", "--threads", "1"] + (["--api-key", api_key] if api_key else [])
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        line = lines.get(timeout=120)
+    except queue.Empty:
+        proc.kill()
+        raise AssertionError(f"pagedchat serve did not start: {proc.communicate(timeout=10)[1][-2000:]}")
+    assert line.startswith("pagedchat serve: http://"), line
+    return proc, line.split()[2]
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    proc, url = start_server(model, tmp_path_factory.mktemp("serve"), api_key=KEY)
+    yield url
+    stop(proc)
+
+
+@pytest.fixture
+def keyed(monkeypatch):
+    monkeypatch.setenv("PAGEDCHAT_API_KEY", KEY)
+
+
+def run_json(cli, *args) -> dict:
+    code, out, err = cli("run", "-t", "0", "--max-tokens", "12", "--json", *args)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def turns(cli, where: list[str], session: str, prompts: list[str]) -> list[dict]:
+    return [run_json(cli, *where, "--session", session, p) for p in prompts]
+
+
+PROMPTS = ["hello world", "what is 17 + 25?", "and the quick brown fox?"]
+
+
+def test_run_session_over_server_equals_local_run(server, model, pagedchat_cli, xdg_home, keyed):
+    local = turns(pagedchat_cli, ["-m", str(model), "--device", "cpu"], "here", PROMPTS)
+    remote = turns(pagedchat_cli, ["--server", server, "-m", str(model)], "there", PROMPTS)
+    for a, b in zip(local, remote):
+        assert b["outputs"] == a["outputs"]
+        assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"]
+        assert b["remote"]["endpoint"] == "/v1/completions" and b["remote"]["history"] == "token-exact"
+    # the server's prefix cache saw turn 1's prompt and reply as the prefix of turn 2's prompt
+    assert remote[1]["usage"]["prompt_cached_tokens"] >= 16
+    assert remote[1]["remote"]["cached_tokens"] == remote[1]["usage"]["prompt_cached_tokens"]
+    # the session files hold the same nodes, token ids included
+    strip = lambda s: [(n["role"], n["text"], n["token_ids"]) for n in s["nodes"]]  # noqa: E731
+    assert strip(read_session(xdg_home, "there")) == strip(read_session(xdg_home, "here"))
+
+
+def test_one_shot_run_over_server_equals_local(server, model, pagedchat_cli, keyed):
+    local = run_json(pagedchat_cli, "-m", str(model), "--device", "cpu", "hello world")
+    # no -m: the server names its model by its folder, which holds the tokenizer and template
+    remote = run_json(pagedchat_cli, "--server", server.removesuffix("/v1"), "hello world")
+    assert remote["outputs"] == local["outputs"] and remote["remote"]["history"] == "token-exact"
+    code, out, err = pagedchat_cli("run", "--server", server, "-t", "0", "--max-tokens", "12", "hello world")
+    assert code == 0 and out.startswith(local["outputs"][0]["text"]), err
+
+
+def test_session_moves_between_local_and_server(server, model, pagedchat_cli, xdg_home, keyed):
+    here = ["-m", str(model), "--device", "cpu"]
+    there = ["--server", server, "-m", str(model)]
+    reference = turns(pagedchat_cli, here, "ref", PROMPTS)
+    moved = [run_json(pagedchat_cli, *where, "--session", "moved", p)
+             for where, p in zip([here, there, here], PROMPTS)]
+    assert [m["outputs"] for m in moved] == [r["outputs"] for r in reference]
+    assert "remote" in moved[1] and "remote" not in moved[2]
+
+
+def test_fork_regen_and_edit_through_the_controller(server, model, tmp_path, keyed):
+    from pagedchat.chat.app import start
+    from pagedchat.chat.store import SessionStore
+    from pagedchat.settings import ModelOptions, SamplingOptions
+
+    ctl, _ = start(ModelOptions(model=str(model), server=server), SamplingOptions(temperature=0, max_tokens=6),
+                   "tree", False, None, show_progress=False, store=SessionStore(tmp_path))
+    first = ctl.send("hello world")
+    fork = ctl.fork(3)
+    assert len(fork.replies) == 3 and [r.variant for r in fork.replies] == [1, 2, 3]
+    assert {r.parent for r in fork.replies} == {first.user.id}
+    assert len(ctl.session.tree.children(first.user.id)) == 4
+    tok = ctl.backend.tokenizer
+    assert all(r.token_ids and r.text == tok.decode(r.token_ids, skip_special_tokens=True)[:len(r.text)]
+               for r in fork.replies)
+    regen = ctl.regen()
+    assert regen.replies[0].parent == first.user.id
+    edited = ctl.edit(first.user.id, "what is 17 + 25?")
+    assert edited.user.parent == first.user.parent and edited.user.id != first.user.id
+    stats = ctl.pool_stats()
+    assert stats["remote"]["history"] == "token-exact" and stats["last_turn"]["remote"]["server"] == server
+    saved = json.loads((tmp_path / "tree.json").read_text())
+    assert len(saved["nodes"]) == len(ctl.session.tree)
+
+
+def test_killed_server_mid_reply_leaves_the_session_intact(model, tmp_path, xdg_home):
+    proc, url = start_server(model, tmp_path)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    base = [sys.executable, "-m", "pagedchat.cli", "run", "--server", url, "-m", str(model), "--session", "k",
+            "-t", "0"]
+    try:
+        first = subprocess.run(base + ["--max-tokens", "4", "hello world"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert first.returncode == 0, first.stderr
+        path = xdg_home / "data" / "pagedchat" / "sessions" / "k.json"
+        before = path.read_bytes()
+        cli = subprocess.Popen(base + ["--max-tokens", "400", "the quick brown fox"], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert cli.stdout.read(1), "no reply started"      # the reply is streaming: kill the server now
+        proc.kill()
+        out, err = cli.communicate(timeout=60)
+    finally:
+        stop(proc)
+    lines = err.decode().strip().splitlines()
+    assert cli.returncode not in (0, 130) and len(lines) == 1, err
+    assert lines[0].startswith("pagedchat: error: the server at") and "before the reply finished" in lines[0]
+    assert path.read_bytes() == before
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_models_toml(xdg_home: Path, text: str) -> None:
+    folder = xdg_home / "config" / "pagedchat"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "models.toml").write_text(text)
+
+
+def one_line_error(pagedchat_cli, *args) -> str:
+    code, out, err = pagedchat_cli("run", *args)
+    lines = err.strip().splitlines()
+    assert code != 0 and len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("pagedchat: error: "), err
+    return lines[0]
+
+
+def test_errors_are_one_line_and_save_nothing(server, model, pagedchat_cli, xdg_home, monkeypatch):
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    assert "cannot connect" in one_line_error(pagedchat_cli, "--server", url, "-m", str(model), "--session", "e", "hi")
+    monkeypatch.setenv("PAGEDCHAT_API_KEY", "wrong")
+    assert "refused the API key (401)" in one_line_error(pagedchat_cli, "--server", server, "-m", str(model),
+                                                         "--session", "e", "hi")
+    monkeypatch.setenv("PAGEDCHAT_API_KEY", KEY)
+    write_models_toml(xdg_home, f'[models.far]\nkind = "remote"\nserver = "{server}"\nmodel = "nope"\n'
+                                f'path = "{model}"\n')
+    assert "has no model 'nope' (404)" in one_line_error(pagedchat_cli, "-m", "far", "--session", "e", "hi")
+    assert not (xdg_home / "data" / "pagedchat" / "sessions" / "e.json").exists()
+    # an api_key in the remote entry is what the server is sent
+    monkeypatch.delenv("PAGEDCHAT_API_KEY")
+    write_models_toml(xdg_home, f'[models.far]\nkind = "remote"\nserver = "{server}"\nmodel = "{model}"\n'
+                                f'api_key = "{KEY}"\ntokenizer = "{model}"\n')
+    assert run_json(pagedchat_cli, "-m", "far", "hello world")["remote"]["history"] == "token-exact"
+
+
+def test_chat_completions_when_no_local_tokenizer(server, model, pagedchat_cli, xdg_home, keyed):
+    write_models_toml(xdg_home, f'[models.far]\nkind = "remote"\nserver = "{server}"\nmodel = "{model}"\n')
+    import httpx
+
+    local = run_json(pagedchat_cli, "-m", str(model), "--device", "cpu", "--session", "here", PROMPTS[0])
+    remote = turns(pagedchat_cli, ["-m", "far"], "text", PROMPTS[:2])
+    # turn 1: the server renders the same template, so the same reply
+    assert remote[0]["outputs"][0]["text"] == local["outputs"][0]["text"]
+    for turn in remote:
+        assert turn["remote"] == {**turn["remote"], "endpoint": "/v1/chat/completions", "history": "text-exact"}
+    # turn 2 went as messages: the history as text (a random model's replies are not all valid UTF-8, so
+    # this differs from the token-exact history the local engine continues from: that is what text-exact means)
+    messages = [{"role": "user", "content": PROMPTS[0]},
+                {"role": "assistant", "content": remote[0]["outputs"][0]["text"]},
+                {"role": "user", "content": PROMPTS[1]}]
+    direct = httpx.post(server + "/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                        json={"model": str(model), "messages": messages, "max_tokens": 12, "temperature": 0}).json()
+    assert remote[1]["outputs"][0]["text"] == direct["choices"][0]["message"]["content"]
+    saved = read_session(xdg_home, "text")
+    assert saved["fingerprint"] == {"history": "text"}
+    # the local engine has no ids to continue such a session from: one line, nothing changed
+    assert "recorded as text only" in one_line_error(pagedchat_cli, "-m", str(model), "--device", "cpu",
+                                                     "--session", "text", "more")
+    assert read_session(xdg_home, "text") == saved
+
+
+def test_remote_entries_are_checked(pagedchat_cli, xdg_home):
+    write_models_toml(xdg_home, '[models.far]\nkind = "remote"\nmodel = "x"\n')
+    assert "needs `server`" in one_line_error(pagedchat_cli, "-m", "far", "hi")
+    write_models_toml(xdg_home, '[models.near]\nsource = "/x"\nserver = "http://h:1"\n')
+    assert "server is for kind = \"remote\" entries" in one_line_error(pagedchat_cli, "-m", "near", "hi")
+
+
+@pytest.mark.skipif(shutil.which("llama-server") is None, reason="llama.cpp's llama-server is not on PATH")
+@pytest.mark.skipif(not os.environ.get("PAGEDCHAT_TEST_GGUF"),
+                    reason="PAGEDCHAT_TEST_GGUF (a GGUF file of a model whose HF folder is PAGEDCHAT_TEST_GGUF_HF) "
+                           "is not set")
+def test_llama_server(pagedchat_cli, tmp_path):
+    """llama.cpp's server: token-id prompts to /v1/completions; it returns no token ids, so replies are
+    re-encoded locally (text-exact) and the turn still works."""
+    port = free_port()
+    proc = subprocess.Popen(["llama-server", "-m", os.environ["PAGEDCHAT_TEST_GGUF"], "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import httpx
+        import time
+
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        out = run_json(pagedchat_cli, "--server", f"http://127.0.0.1:{port}/v1", "-m",
+                       os.environ["PAGEDCHAT_TEST_GGUF_HF"], "--session", "llama", "hello")
+        assert out["outputs"][0]["token_ids"] and out["remote"]["endpoint"] == "/v1/completions"
+    finally:
+        stop(proc)
