@@ -23,8 +23,9 @@ from cli_util import read_session
 KEY = "remote-test-key"
 
 
-def start_server(model: Path, tmp: Path, api_key: str | None = None) -> tuple[subprocess.Popen, str]:
-    """`pagedchat serve` on a free port; (process, base URL) once it listens."""
+def start_server(model: Path, tmp: Path, api_key: str | None = None):
+    """`pagedchat serve` on a free port, starting; call the returned function for (process, base URL) once
+    it listens (two servers start side by side)."""
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp / "server-config"), "PYTHONUNBUFFERED": "1"}
     env.pop("PAGEDCHAT_API_KEY", None)
     args = [sys.executable, "-m", "pagedchat.cli", "serve", "-m", str(model), "--port", "0", "--device", "cpu",
@@ -32,13 +33,16 @@ def start_server(model: Path, tmp: Path, api_key: str | None = None) -> tuple[su
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        line = lines.get(timeout=120)
-    except queue.Empty:
-        proc.kill()
-        raise AssertionError(f"pagedchat serve did not start: {proc.communicate(timeout=10)[1][-2000:]}")
-    assert line.startswith("pagedchat serve: http://"), line
-    return proc, line.split()[2]
+
+    def listening() -> tuple[subprocess.Popen, str]:
+        try:
+            line = lines.get(timeout=120)
+        except queue.Empty:
+            proc.kill()
+            raise AssertionError(f"pagedchat serve did not start: {proc.communicate(timeout=10)[1][-2000:]}")
+        assert line.startswith("pagedchat serve: http://"), line
+        return proc, line.split()[2]
+    return listening
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -48,10 +52,37 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def server(model, tmp_path_factory):
-    proc, url = start_server(model, tmp_path_factory.mktemp("serve"), api_key=KEY)
-    yield url
-    stop(proc)
+def servers(model, tmp_path_factory):
+    """Two `pagedchat serve` processes: one shared (with an API key), one for the test that kills it."""
+    starting = [start_server(model, tmp_path_factory.mktemp("serve"), api_key=KEY),
+                start_server(model, tmp_path_factory.mktemp("doomed"))]
+    procs = []
+    try:
+        for listening in starting:
+            procs.append(listening())
+        yield procs
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return servers[0][1]
+
+
+@pytest.fixture(scope="module")
+def cache():
+    return {}
+
+
+def local_reference(cache, cli, model, xdg_home) -> list[dict]:
+    """The local engine's three turns of session `here` (--json outputs), computed once per module; the
+    session file is kept with them."""
+    if "turns" not in cache:
+        cache["turns"] = turns(cli, ["-m", str(model), "--device", "cpu"], "here", PROMPTS)
+        cache["session"] = read_session(xdg_home, "here")
+    return cache["turns"]
 
 
 @pytest.fixture
@@ -72,8 +103,8 @@ def turns(cli, where: list[str], session: str, prompts: list[str]) -> list[dict]
 PROMPTS = ["hello world", "what is 17 + 25?", "and the quick brown fox?"]
 
 
-def test_run_session_over_server_equals_local_run(server, model, pagedchat_cli, xdg_home, keyed):
-    local = turns(pagedchat_cli, ["-m", str(model), "--device", "cpu"], "here", PROMPTS)
+def test_run_session_over_server_equals_local_run(server, model, pagedchat_cli, xdg_home, keyed, cache):
+    local = local_reference(cache, pagedchat_cli, model, xdg_home)
     remote = turns(pagedchat_cli, ["--server", server, "-m", str(model)], "there", PROMPTS)
     for a, b in zip(local, remote):
         assert b["outputs"] == a["outputs"]
@@ -84,11 +115,11 @@ def test_run_session_over_server_equals_local_run(server, model, pagedchat_cli, 
     assert remote[1]["remote"]["cached_tokens"] == remote[1]["usage"]["prompt_cached_tokens"]
     # the session files hold the same nodes, token ids included
     strip = lambda s: [(n["role"], n["text"], n["token_ids"]) for n in s["nodes"]]  # noqa: E731
-    assert strip(read_session(xdg_home, "there")) == strip(read_session(xdg_home, "here"))
+    assert strip(read_session(xdg_home, "there")) == strip(cache["session"])
 
 
-def test_one_shot_run_over_server_equals_local(server, model, pagedchat_cli, keyed):
-    local = run_json(pagedchat_cli, "-m", str(model), "--device", "cpu", "hello world")
+def test_one_shot_run_over_server_equals_local(server, model, pagedchat_cli, xdg_home, keyed, cache):
+    local = local_reference(cache, pagedchat_cli, model, xdg_home)[0]    # a session's first turn = one shot
     # no -m: the server names its model by its folder, which holds the tokenizer and template
     remote = run_json(pagedchat_cli, "--server", server.removesuffix("/v1"), "hello world")
     assert remote["outputs"] == local["outputs"] and remote["remote"]["history"] == "token-exact"
@@ -96,10 +127,10 @@ def test_one_shot_run_over_server_equals_local(server, model, pagedchat_cli, key
     assert code == 0 and out.startswith(local["outputs"][0]["text"]), err
 
 
-def test_session_moves_between_local_and_server(server, model, pagedchat_cli, xdg_home, keyed):
+def test_session_moves_between_local_and_server(server, model, pagedchat_cli, xdg_home, keyed, cache):
     here = ["-m", str(model), "--device", "cpu"]
     there = ["--server", server, "-m", str(model)]
-    reference = turns(pagedchat_cli, here, "ref", PROMPTS)
+    reference = local_reference(cache, pagedchat_cli, model, xdg_home)
     moved = [run_json(pagedchat_cli, *where, "--session", "moved", p)
              for where, p in zip([here, there, here], PROMPTS)]
     assert [m["outputs"] for m in moved] == [r["outputs"] for r in reference]
@@ -131,26 +162,27 @@ def test_fork_regen_and_edit_through_the_controller(server, model, tmp_path, key
     assert len(saved["nodes"]) == len(ctl.session.tree)
 
 
-def test_killed_server_mid_reply_leaves_the_session_intact(model, tmp_path, xdg_home):
-    proc, url = start_server(model, tmp_path)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    base = [sys.executable, "-m", "pagedchat.cli", "run", "--server", url, "-m", str(model), "--session", "k",
-            "-t", "0"]
-    try:
-        first = subprocess.run(base + ["--max-tokens", "4", "hello world"], env=env, capture_output=True,
-                               text=True, timeout=120)
-        assert first.returncode == 0, first.stderr
-        path = xdg_home / "data" / "pagedchat" / "sessions" / "k.json"
-        before = path.read_bytes()
-        cli = subprocess.Popen(base + ["--max-tokens", "400", "the quick brown fox"], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert cli.stdout.read(1), "no reply started"      # the reply is streaming: kill the server now
-        proc.kill()
-        out, err = cli.communicate(timeout=60)
-    finally:
-        stop(proc)
-    lines = err.decode().strip().splitlines()
-    assert cli.returncode not in (0, 130) and len(lines) == 1, err
+def test_killed_server_mid_reply_leaves_the_session_intact(servers, model, pagedchat_cli, xdg_home, monkeypatch):
+    from pagedchat.chat import remote_backend
+
+    proc, url = servers[1]
+    base = ["run", "--server", url, "-m", str(model), "--session", "k", "-t", "0"]
+    code, _, err = pagedchat_cli(*base, "--max-tokens", "4", "hello world")
+    assert code == 0, err
+    path = xdg_home / "data" / "pagedchat" / "sessions" / "k.json"
+    before = path.read_bytes()
+    add = remote_backend._Reply.add
+
+    def kill_once_streaming(reply, *args):    # the first piece of the reply has arrived: kill the server
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        return add(reply, *args)
+
+    monkeypatch.setattr(remote_backend._Reply, "add", kill_once_streaming)
+    code, out, err = pagedchat_cli(*base, "--max-tokens", "400", "the quick brown fox")
+    lines = err.strip().splitlines()
+    assert code not in (0, 130) and len(lines) == 1, err
     assert lines[0].startswith("pagedchat: error: the server at") and "before the reply finished" in lines[0]
     assert path.read_bytes() == before
 
@@ -193,11 +225,11 @@ def test_errors_are_one_line_and_save_nothing(server, model, pagedchat_cli, xdg_
     assert run_json(pagedchat_cli, "-m", "far", "hello world")["remote"]["history"] == "token-exact"
 
 
-def test_chat_completions_when_no_local_tokenizer(server, model, pagedchat_cli, xdg_home, keyed):
+def test_chat_completions_when_no_local_tokenizer(server, model, pagedchat_cli, xdg_home, keyed, cache):
     write_models_toml(xdg_home, f'[models.far]\nkind = "remote"\nserver = "{server}"\nmodel = "{model}"\n')
     import httpx
 
-    local = run_json(pagedchat_cli, "-m", str(model), "--device", "cpu", "--session", "here", PROMPTS[0])
+    local = local_reference(cache, pagedchat_cli, model, xdg_home)[0]
     remote = turns(pagedchat_cli, ["-m", "far"], "text", PROMPTS[:2])
     # turn 1: the server renders the same template, so the same reply
     assert remote[0]["outputs"][0]["text"] == local["outputs"][0]["text"]
