@@ -284,3 +284,101 @@ def test_llama_server(pagedchat_cli, tmp_path):
         assert out["outputs"][0]["token_ids"] and out["remote"]["endpoint"] == "/v1/completions"
     finally:
         stop(proc)
+
+
+# -- the wire without a server: httpx's MockTransport plays servers pagedchat serve is not ---------------------
+def fake_backend(model, handler, tokenizer=True):
+    import httpx
+
+    from pagedchat.chat.remote_backend import RemoteBackend
+    from pagedchat.model.loader import load_tokenizer
+    from pagedchat.remote import Server, ServerConfig
+
+    server = Server(ServerConfig("http://fake/v1", model="m"))
+    server.client = httpx.Client(base_url=server.url, transport=httpx.MockTransport(handler))
+    return RemoteBackend(server, "m", load_tokenizer(model) if tokenizer else None, [2], 512)
+
+
+def sse(*chunks) -> bytes:
+    return "".join(f"data: {json.dumps(c)}\n\n" for c in chunks).encode() + b"data: [DONE]\n\n"
+
+
+def test_a_server_that_refuses_token_id_prompts_gets_messages(model):
+    """The fallback: a 400 about the prompt moves the backend to chat completions for good, says so, and
+    the reply is stored as the local tokenizer reads its text (text-exact)."""
+    import httpx
+
+    from pagedchat.engine import SamplingParams
+
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append((request.url.path, body))
+        if request.url.path.endswith("/completions") and "chat" not in request.url.path:
+            return httpx.Response(400, json={"error": {"message": "prompt must be a string", "param": "prompt"}})
+        return httpx.Response(200, content=sse(
+            {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+            {"choices": [{"index": 0, "delta": {"content": "hello"}}]},
+            {"choices": [{"index": 0, "delta": {"content": " world"}, "finish_reason": "stop"}]},
+            {"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": 2,
+                                      "prompt_tokens_details": {"cached_tokens": 4}}}))
+
+    backend = fake_backend(model, handler)
+    messages = [{"role": "user", "content": "hi"}]
+    done = backend.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=5), None, None, messages=messages)
+    out = done.output.outputs[0]
+    assert [path for path, _ in seen] == ["/v1/completions", "/v1/chat/completions"]
+    assert seen[0][1]["prompt"] == [1, 2, 3] and seen[1][1]["messages"] == messages
+    assert out.text == "hello world" and out.finish_reason == "stop" and not done.interrupted
+    assert out.token_ids == list(backend.tokenizer("hello world", add_special_tokens=False).input_ids)
+    assert done.output.prefix_hit_tokens == 4
+    assert backend.describe()["history"] == "text-exact" and "text-exact" in backend.notes[0]
+
+
+def test_a_server_that_refuses_return_token_ids_is_asked_again_without_it(model):
+    import httpx
+
+    from pagedchat.engine import SamplingParams
+
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        asked.append("return_token_ids" in body)
+        if "return_token_ids" in body:
+            return httpx.Response(400, json={"error": {"message": "Unrecognized request argument supplied: "
+                                                                  "return_token_ids"}})
+        return httpx.Response(200, content=sse({"choices": [{"index": 0, "text": "ab", "finish_reason": "length"}]}))
+
+    backend = fake_backend(model, handler)
+    done = backend.generate([5, 6], SamplingParams(temperature=0, max_tokens=2), None, None, messages=[])
+    assert asked == [True, False] and done.output.outputs[0].text == "ab"
+    assert backend.describe()["history"] == "text-exact"    # the ids are the local reading of the text
+
+
+def test_ctrl_c_keeps_the_partial_reply(model):
+    import httpx
+
+    from pagedchat.engine import SamplingParams
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        def chunks():
+            yield sse({"choices": [{"index": 0, "text": "par", "token_ids": [40, 41]}]})[:-len(b"data: [DONE]\n\n")]
+            raise KeyboardInterrupt     # Ctrl-C while the next chunk is awaited
+        return httpx.Response(200, content=chunks())
+
+    done = fake_backend(model, handler).generate([1], SamplingParams(max_tokens=9), None, None, messages=[])
+    out = done.output.outputs[0]
+    assert done.interrupted and out.text == "par" and out.token_ids == [40, 41] and out.finish_reason == "abort"
+
+
+def test_a_server_that_answers_nothing_times_out_in_one_line():
+    from pagedchat.remote import RemoteError, Server, ServerConfig
+
+    with socket.socket() as listener:      # accepts connections (the backlog) and never answers
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        server = Server(ServerConfig(f"http://127.0.0.1:{listener.getsockname()[1]}", read_timeout_s=0.3))
+        with pytest.raises(RemoteError, match=r"sent nothing for 0.3s"):
+            server.models()
