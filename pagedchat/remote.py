@@ -139,7 +139,9 @@ class Server:
             return RemoteError(f"the server at {self.url} has no model {self.config.model!r} (404): {detail}", status)
         if status == 404:
             return RemoteError(f"the server at {self.url} has no {path} endpoint (404)", status, refused_prompt=True)
-        refused = status in (400, 422) and "prompt" in detail.lower()
+        # "cannot take this kind of prompt" (the caller falls back to messages), not "this prompt is too long"
+        too_long = code == "context_length_exceeded" or any(w in detail.lower() for w in ("context", "too long"))
+        refused = status in (400, 422) and "prompt" in detail.lower() and not too_long
         return RemoteError(f"the server at {self.url} answered {status}: {detail}", status, refused_prompt=refused)
 
 

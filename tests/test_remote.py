@@ -382,3 +382,20 @@ def test_a_server_that_answers_nothing_times_out_in_one_line():
         server = Server(ServerConfig(f"http://127.0.0.1:{listener.getsockname()[1]}", read_timeout_s=0.3))
         with pytest.raises(RemoteError, match=r"sent nothing for 0.3s"):
             server.models()
+
+
+def test_a_prompt_too_long_is_an_error_not_a_fallback(model):
+    import httpx
+
+    from pagedchat.engine import SamplingParams
+    from pagedchat.remote import RemoteError
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"error": {
+            "message": "This model's maximum context length is 512 tokens. However, your prompt resulted in 900 "
+                       "tokens.", "code": "context_length_exceeded", "param": "prompt"}})
+
+    backend = fake_backend(model, handler)
+    with pytest.raises(RemoteError, match="answered 400: This model's maximum context length is 512"):
+        backend.generate([1] * 900, SamplingParams(max_tokens=4), None, None, messages=[])
+    assert backend.describe()["endpoint"] == "/v1/completions"
