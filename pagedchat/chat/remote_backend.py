@@ -297,7 +297,8 @@ def _tokenizer_folder(entry) -> Path | None:
 
 def _local_tokenizer(folder: Path, entry):
     """(tokenizer, end-of-turn ids, the model's context limit) read from the folder; no weights load."""
-    from pagedchat.model.loader import eos_ids, load_config, load_tokenizer
+    from pagedchat.model.families import family_for
+    from pagedchat.model.loader import architecture_of, eos_ids, load_config, load_tokenizer
     from pagedchat.settings import _read_template
 
     template = entry.table.get("chat_template")
@@ -308,9 +309,13 @@ def _local_tokenizer(folder: Path, entry):
     if not (folder / "config.json").is_file():      # a tokenizer-only folder
         return tokenizer, eos_ids(folder, None, tokenizer), None
     config = load_config(folder, trust)
-    # the local engine's limit (model/loader.py): full attention equals a sliding window up to the window
+    # the local engine's limit (model/loader.py): a family that does not apply the config's sliding window
+    # itself runs full attention, exact up to the window; a family the local engine cannot run (fine here:
+    # the server runs it) is taken at its positions
+    family = family_for(architecture_of(config))
     limit = getattr(config, "max_position_embeddings", None)
     window = getattr(config, "sliding_window", None)
-    if limit and window and getattr(config, "use_sliding_window", True) and window < limit:
+    if limit and window and family is not None and not family.windowed \
+            and getattr(config, "use_sliding_window", True) and window < limit:
         limit = window
     return tokenizer, eos_ids(folder, config, tokenizer), limit
