@@ -399,3 +399,18 @@ def test_a_prompt_too_long_is_an_error_not_a_fallback(model):
     with pytest.raises(RemoteError, match="answered 400: This model's maximum context length is 512"):
         backend.generate([1] * 900, SamplingParams(max_tokens=4), None, None, messages=[])
     assert backend.describe()["endpoint"] == "/v1/completions"
+
+
+def test_beam_over_the_server_equals_the_local_beam(server, model, tmp_path, keyed):
+    """/beam W where the server supports it (pagedchat serve: use_beam_search): the same W hypotheses, in
+    the same order, as the local engine's beam search."""
+    from pagedchat.chat.app import start
+    from pagedchat.chat.store import SessionStore
+    from pagedchat.settings import ModelOptions, SamplingOptions
+
+    results = []
+    for where in (dict(device="cpu"), dict(server=server)):
+        ctl, _ = start(ModelOptions(model=str(model), **where), SamplingOptions(temperature=0, max_tokens=5),
+                       None, False, None, show_progress=False, store=SessionStore(tmp_path / str(len(results))))
+        results.append([r.token_ids for r in ctl.beam(3, "hello world").replies])
+    assert len(results[0]) == 3 and results[1] == results[0]

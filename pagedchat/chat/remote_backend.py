@@ -89,7 +89,8 @@ class RemoteBackend:
                               f"history is text-exact from here")
             replies, usage, first_at, interrupted = self._stream(prompt, params, on_update, messages)
         total = time.perf_counter() - start
-        outputs = [self._output(i, replies.get(i, _Reply()), interrupted) for i in range(params.n)]
+        outputs = [self._output(i, replies.get(i, _Reply()), interrupted)
+                   for i in range(max(params.n, params.beam_width))]
         cached = usage.get("cached_tokens")
         self.last_usage = usage
         self.cached_total += cached or 0
@@ -137,6 +138,9 @@ class RemoteBackend:
                 body[key] = getattr(params, key)
         if params.stop:
             body["stop"] = list(params.stop)
+        if params.beam_width:   # /beam W: vLLM's (and pagedchat serve's) fields; all W hypotheses come back
+            body.update(use_beam_search=True, n=params.beam_width, best_of=params.beam_width,
+                        length_penalty=params.length_penalty, early_stopping=params.early_stopping)
         if self.ask_ids:
             body["return_token_ids"] = True
         if self.endpoint == COMPLETIONS:
