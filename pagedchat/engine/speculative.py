@@ -132,26 +132,29 @@ class NgramProposer:
         tail = tokens[-MAX_MATCH:]
         start = len(tail)
         for _ in range(k):
-            token = _next_token(tail, streams)
+            # the first token picks among streams by how far back they match; the later ones mostly go on
+            # copying, so a short comparison tells streams apart there (this runs per sequence per step)
+            token = _next_token(tail, streams, MAX_MATCH if len(tail) == start else 2 * MAX_N)
             if token is None:
                 break
             tail.append(token)
         return tail[start:]
 
 
-def _next_token(tail: list[int], streams: list) -> int | None:
+def _next_token(tail: list[int], streams: list, compare: int) -> int | None:
     """What followed the latest earlier occurrence of tail's last n tokens (n = 4..1, longest first); among
-    streams holding it, the one whose match extends furthest back wins."""
+    streams holding it, the one whose match extends furthest back (up to `compare` tokens) wins."""
     for n in range(min(MAX_N, len(tail)), 0, -1):
         key = tuple(tail[-n:])
-        best, best_len = None, -1
-        for stream, index in streams:
-            c = index.find(key)
-            if c is not None:
-                length = _match_length(tail, stream, c) if len(streams) > 1 else 0
+        hits = [(stream, c) for stream, index in streams if (c := index.find(key)) is not None]
+        if len(hits) == 1:
+            return hits[0][0][hits[0][1]]
+        if hits:
+            best, best_len = None, -1
+            for stream, c in hits:
+                length = _match_length(tail, stream, c, compare)
                 if length > best_len:
                     best, best_len = stream[c], length
-        if best is not None:
             return best
     return None
 
@@ -161,9 +164,9 @@ def _tokens_left(seq: Sequence, max_model_len: int) -> int:
     return min(seq.request.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
 
 
-def _match_length(tokens: list[int], stream: list[int], c: int) -> int:
-    """How many tokens before stream[c] equal the end of `tokens` (capped at MAX_MATCH)."""
-    n, limit = 0, min(MAX_MATCH, c, len(tokens))
+def _match_length(tokens: list[int], stream: list[int], c: int, compare: int = MAX_MATCH) -> int:
+    """How many tokens before stream[c] equal the end of `tokens` (capped at `compare`)."""
+    n, limit = 0, min(compare, c, len(tokens))
     while n < limit and stream[c - 1 - n] == tokens[-1 - n]:
         n += 1
     return n
