@@ -18,9 +18,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def xdg_home(tmp_path, monkeypatch):
-    """Every test gets its own config and data folders: none reads or writes the real user's."""
+    """Every test gets its own config, data and cache folders: none reads or writes the real user's (the
+    cache holds the disk KV tier)."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
 
 

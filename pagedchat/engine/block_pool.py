@@ -9,13 +9,23 @@ Only ids and counters live here; the K/V tensors belong to the runner. Invariant
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+KEY_BYTES = 32
+ROOT_KEY = bytes(KEY_BYTES)   # the "parent" of a sequence's first block
+_PERSON = b"pagedchat-kv-v1"  # BLAKE2b personalization: these digests name KV blocks and nothing else
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block given the hash of the block before it: equal hashes mean equal prefixes."""
-    return hash((parent, tokens))
+
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """Key of a full block: BLAKE2b-256 over the parent block's key and the block's token ids (uint32,
+    little-endian). Cryptographic, so no crafted prompt can make its chain collide with another user's (a
+    64-bit `hash()` can be), and free of per-process hash seeds, so the same key names the same block in the
+    pool, in the RAM tier and on disk in every process."""
+    data = (parent or ROOT_KEY) + struct.pack(f"<{len(tokens)}I", *tokens)
+    return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_PERSON).digest()
 
 
 @dataclass
@@ -46,9 +56,9 @@ class BlockPool:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         # Oldest first: blocks freed long ago (and tail blocks of a freed sequence) are reused first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.peak_used = 0
@@ -124,8 +134,9 @@ class BlockPool:
         return block, new
 
     # -- prefix cache ---------------------------------------------------------------------------------------
-    def lookup(self, parent_hash: int | None, tokens: tuple[int, ...]) -> tuple[int, int] | None:
-        """(block, hash) of a cached full block holding exactly `tokens` after the prefix `parent_hash`."""
+    def lookup(self, parent_hash: bytes | None, tokens: tuple[int, ...]) -> tuple[int, bytes] | None:
+        """(block, hash) of a cached full block holding exactly `tokens` after the prefix `parent_hash`. The
+        token comparison stays even with a cryptographic key: it costs little and guards the invariant."""
         if not self.enable_prefix_cache:
             return None
         h = chain_hash(parent_hash, tokens)
@@ -134,7 +145,7 @@ class BlockPool:
             return None
         return block, h
 
-    def register(self, block: int, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    def register(self, block: int, parent_hash: bytes | None, tokens: tuple[int, ...]) -> bytes:
         """Index a block that has just become full and computed. Returns its chain hash."""
         assert len(tokens) == self.block_size and self.ref_count[block] > 0
         h = chain_hash(parent_hash, tokens)

@@ -158,7 +158,7 @@ class Scheduler:
                 seq.block_hashes.append(h)
             seq.num_computed = len(seq.block_table) * bs
 
-    def _blocks_computed_by(self, items: list[tuple[Sequence, int]]) -> set[int]:
+    def _blocks_computed_by(self, items: list[tuple[Sequence, int]]) -> set[bytes]:
         """Chain hashes of the full blocks these scheduled chunks complete (indexed only after the step)."""
         if not self.pool.enable_prefix_cache:
             return set()
@@ -170,7 +170,7 @@ class Scheduler:
                 hashes.add(parent)
         return hashes
 
-    def _next_block_hash(self, seq: Sequence) -> int | None:
+    def _next_block_hash(self, seq: Sequence) -> bytes | None:
         """Hash of the first full prompt block this sequence would have to compute itself."""
         bs, i = self.block_size, len(seq.block_hashes)
         if len(seq.block_table) != i or (i + 1) * bs > seq.num_tokens - 1:

@@ -30,7 +30,7 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = request.num_prompt_tokens
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []   # chain hashes of the leading full, computed blocks
+        self.block_hashes: list[bytes] = []  # chain keys of the leading full, computed blocks
         self.num_computed = 0               # tokens whose K/V are in the pool
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
