@@ -18,6 +18,13 @@ class ModelOptions:
     block_size: int = 16
     kv_memory: Optional[str] = None
     max_context: Optional[int] = None
+    kv_disk: Optional[str] = None   # None = DEFAULT_KV_DISK; "0" = no disk tier
+    kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier
+
+
+# KV that outlives a block's eviction and the process (see pagedchat/engine/kv_tiers.py)
+DEFAULT_KV_DISK = "2GiB"
+DEFAULT_KV_RAM = "512MiB"
 
 
 @dataclass
@@ -45,11 +52,21 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
-                          kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust)
+                          kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
+                          kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
+                          kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM)
     engine = Engine(config, show_progress=show_progress)
     if entry.table.get("chat_template") and engine.tokenizer is not None:
         engine.tokenizer.chat_template = _read_template(entry.table["chat_template"], entry)
     return engine, entry
+
+
+def kv_report(pool) -> dict:
+    """The `--json` "kv" object. prefix_hit_tokens counts every reused prompt token; ram_hit_tokens and
+    disk_hit_tokens say how many of them were loaded back from the RAM and disk tiers."""
+    return {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
+            "prefix_hit_tokens": pool.prefix_hit_tokens, "ram_hit_tokens": pool.ram_hit_tokens,
+            "disk_hit_tokens": pool.disk_hit_tokens}
 
 
 def _read_template(value: str, entry) -> str:

@@ -33,6 +33,8 @@ def chat(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    kv_disk: Optional[str] = common.KV_DISK,
+    kv_ram: Optional[str] = common.KV_RAM,
 ) -> None:
     from rich.console import Console
     from rich.text import Text
@@ -40,14 +42,18 @@ def chat(
     from pagedchat.chat.app import start
     from pagedchat.chat.repl import run_repl
 
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, kv_disk, kv_ram)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     _check_flags(sampling)
     ctl, created = start(model_opts, sampling, session, continue_last, system)
     console = Console(highlight=False)
     if system is not None and not created and (ctl.session.system or None) != (system or None):
         console.print(Text(ctl.set_system(system), style="yellow"))
-    raise typer.Exit(run_repl(ctl, console))
+    try:
+        code = run_repl(ctl, console)
+    finally:
+        ctl.engine.close()  # what the pool and RAM tier hold goes to the disk tier for the next process
+    raise typer.Exit(code)
 
 
 def _check_flags(sampling: common.SamplingOptions) -> None:

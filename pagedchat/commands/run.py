@@ -11,6 +11,7 @@ from typing import Optional
 import typer
 
 from pagedchat.commands import common
+from pagedchat.settings import kv_report
 from pagedchat.errors import UserError
 
 
@@ -41,8 +42,10 @@ def run(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    kv_disk: Optional[str] = common.KV_DISK,
+    kv_ram: Optional[str] = common.KV_RAM,
 ) -> None:
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, kv_disk, kv_ram)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")
@@ -65,7 +68,10 @@ def run(
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
-    code = _generate(engine, entry.name, requests, as_json, batch=file is not None)
+    try:
+        code = _generate(engine, entry.name, requests, as_json, batch=file is not None)
+    finally:
+        engine.close()  # the prompts' KV goes to the disk tier: the next run with the same prefix loads it
     raise typer.Exit(code)
 
 
@@ -208,8 +214,7 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
         report["usage"] = {"prompt_tokens": sum(o.num_prompt_tokens for o in outputs), "completion_tokens": completion}
     else:
         report.update(result(outputs[0]))
-    report["kv"] = {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
-                    "prefix_hit_tokens": pool.prefix_hit_tokens}
+    report["kv"] = kv_report(pool)
     report["timing"] = {"ttft_s": ttft, "decode_tokens_per_s": (completion - len(outputs)) / decode_time
                         if decode_time > 0 and completion > len(outputs) else None, "total_s": total}
     if any(o.error for o in outputs):

@@ -29,8 +29,10 @@ def serve(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    kv_disk: Optional[str] = common.KV_DISK,
+    kv_ram: Optional[str] = common.KV_RAM,
 ) -> None:
     from pagedchat.serve.server import run_server
 
-    opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context)
+    opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, kv_disk, kv_ram)
     run_server(opts, host, port, api_key, served_model_name, verbose)

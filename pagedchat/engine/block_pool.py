@@ -13,6 +13,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 KEY_BYTES = 32
 ROOT_KEY = bytes(KEY_BYTES)   # the "parent" of a sequence's first block
@@ -37,9 +38,11 @@ class PoolStats:
     cached: int        # free but still holding a hashed prefix that can be hit
     shared: int        # refcount > 1
     peak_used: int
-    prefix_hit_tokens: int    # cumulative tokens whose KV was reused instead of computed
+    prefix_hit_tokens: int    # cumulative tokens whose KV was reused instead of computed (every tier)
     prefix_query_tokens: int  # cumulative prompt tokens looked up
     cow_copies: int           # cumulative copy-on-write block copies
+    ram_hit_tokens: int = 0   # of prefix_hit_tokens: loaded back from the host-RAM tier
+    disk_hit_tokens: int = 0  # of prefix_hit_tokens: loaded back from the disk tier
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -48,6 +51,9 @@ class PoolStats:
 
 class OutOfBlocks(Exception):
     """No free block is left; the scheduler reacts by evicting pins or preempting."""
+
+
+EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
 
 
 class BlockPool:
@@ -64,7 +70,11 @@ class BlockPool:
         self.peak_used = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self.ram_hit_tokens = self.disk_hit_tokens = 0
         self.cow_copies = 0
+        # Called with (block, key, tokens) just before a cached block is reused, while it still holds that
+        # KV: the tiers below the pool keep a copy.
+        self.on_evict: EvictHook | None = None
 
     # -- counts -------------------------------------------------------------------------------------------
     @property
@@ -79,13 +89,16 @@ class BlockPool:
         cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
         shared = sum(1 for r in self.ref_count if r > 1)
         return PoolStats(self.num_blocks, self.block_size, self.num_used, self.num_free, cached, shared,
-                         self.peak_used, self.prefix_hit_tokens, self.prefix_query_tokens, self.cow_copies)
+                         self.peak_used, self.prefix_hit_tokens, self.prefix_query_tokens, self.cow_copies,
+                         self.ram_hit_tokens, self.disk_hit_tokens)
 
     # -- allocation -----------------------------------------------------------------------------------------
     def allocate(self) -> int:
         if not self.free_queue:
             raise OutOfBlocks
         block, _ = self.free_queue.popitem(last=False)
+        if self.on_evict is not None and self.block_hash[block] is not None:
+            self.on_evict(block, self.block_hash[block], self.block_tokens[block])
         self._forget_hash(block)
         self.ref_count[block] = 1
         self.peak_used = max(self.peak_used, self.num_used)
@@ -159,9 +172,18 @@ class BlockPool:
             self.hash_to_block[h] = block
         return h
 
-    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+    def record_lookup(self, query_tokens: int, hit_tokens: int, ram_tokens: int = 0, disk_tokens: int = 0) -> None:
         self.prefix_query_tokens += query_tokens
         self.prefix_hit_tokens += hit_tokens
+        self.ram_hit_tokens += ram_tokens
+        self.disk_hit_tokens += disk_tokens
+
+    def cached_blocks(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """(block, key, tokens) of every indexed block: in use first, then free ones, most recently freed
+        first (the order their KV is worth keeping)."""
+        free = [b for b in reversed(self.free_queue) if self.block_hash[b] is not None]
+        used = [b for b in self.hash_to_block.values() if self.ref_count[b] > 0]
+        return [(b, self.block_hash[b], self.block_tokens[b]) for b in used + free]
 
     def _forget_hash(self, block: int) -> None:
         h = self.block_hash[block]

@@ -15,12 +15,14 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.detokenizer import decode_new_text
+from pagedchat.engine.kv_tiers import KVTiers, build_tiers
 from pagedchat.engine.runner import ModelRunner
 from pagedchat.engine.sampler import Sampler, variant_generator
 from pagedchat.engine.sampling_params import SamplingParams
@@ -61,10 +63,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int                 # prompt tokens whose KV was reused (any tier)
     ttft_s: float | None
     total_s: float | None
     error: str | None = None
+    ram_hit_tokens: int = 0                # of prefix_hit_tokens: loaded from the host-RAM tier
+    disk_hit_tokens: int = 0               # of prefix_hit_tokens: loaded from the disk tier
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,9 +88,10 @@ class EngineStats:
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, show_progress: bool = True,
-                 runner=None):
+                 runner=None, tiers: KVTiers | None = None):
         """`runner` replaces the model runner (property tests and memory benchmarks drive the real
-        scheduling without a model); it needs `num_blocks` and `run(batch) -> (logits, sequences)`."""
+        scheduling without a model); it needs `num_blocks` and `run(batch) -> (logits, sequences)`.
+        `tiers` replaces the RAM/disk tiers the config asks for (tests give a fake runner its own)."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.device, config.dtype, config.max_model_len,
                                            trust_remote_code=config.trust_remote_code, show_progress=show_progress)
@@ -95,7 +100,10 @@ class Engine:
         self.max_model_len = self.loaded.max_model_len
         self.runner = runner or ModelRunner(self.loaded, config)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.tiers = tiers if tiers is not None else self._build_tiers()
+        if self.tiers is not None:
+            self.pool.on_evict = self.tiers.spill
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -103,6 +111,40 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.loaded.device
+
+    def _build_tiers(self) -> KVTiers | None:
+        config = self.config
+        if not config.enable_prefix_cache or not (config.kv_ram or config.kv_disk):
+            return None
+        from pagedchat.engine.kv_fingerprint import engine_fingerprint, kv_cache_root
+        from pagedchat.model.loader import weight_files
+
+        fp, meta = "", {}
+        if config.kv_disk:
+            extra = {"quantize": q} if (q := getattr(config, "quantize", None)) else None
+            fp, meta = engine_fingerprint(self.loaded.path, weight_files(self.loaded.path), self.loaded.dtype,
+                                          config.block_size, self.device.type, extra)
+        root = Path(config.kv_dir) if config.kv_dir else kv_cache_root()
+        return build_tiers(self.runner, self.runner.block_payload_shape, self.loaded.dtype, fp, config.kv_ram,
+                           config.kv_disk, root, meta)
+
+    # -- KV that outlives the process -----------------------------------------------------------------------
+    def persist(self, handles: list[Sequence | None]) -> None:
+        """Write the full blocks of these pinned branch heads through to the disk tier (a session save), so
+        another process reopening the session loads them instead of prefilling."""
+        if self.tiers is None:
+            return
+        bs, blocks = self.pool.block_size, []
+        for h in handles:
+            if h is not None and h.status == SeqStatus.PINNED:
+                blocks += [(b, key, tuple(h.token_ids[i * bs:(i + 1) * bs]))
+                           for i, (b, key) in enumerate(zip(h.block_table, h.block_hashes))]
+        self.tiers.write_through(blocks)
+
+    def close(self) -> None:
+        """Write what the pool and the RAM tier hold to disk and wait for the writes. Call before exit."""
+        if self.tiers is not None:
+            self.tiers.close(self.pool.cached_blocks())
 
     # -- requests -------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -292,7 +334,7 @@ class Engine:
         ttft = r.first_token_time - r.arrival_time if r.first_token_time else None
         total = r.finish_time - r.arrival_time if r.finish_time else None
         return RequestOutput(r.request_id, r.prompt_token_ids, outputs, r.finished, r.prefix_hit_tokens or 0,
-                             ttft, total, r.error)
+                             ttft, total, r.error, r.ram_hit_tokens, r.disk_hit_tokens)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         out = self.get_output(request_id)

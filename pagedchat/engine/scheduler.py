@@ -12,7 +12,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedchat.engine.block_pool import BlockPool, chain_hash
+from pagedchat.engine.kv_tiers import KVTiers
 from pagedchat.engine.sequence import Sequence, SeqStatus
 
 
@@ -28,8 +31,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, tiers: KVTiers | None = None):
         self.pool = pool
+        self.tiers = tiers  # RAM/disk below the pool: prefix lookups go on there after a pool miss
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -95,9 +99,10 @@ class Scheduler:
                 self._release(seq)              # do not sit on cached blocks while waiting
                 break
             self.waiting.popleft()
-            self.pool.record_lookup(seq.num_tokens, seq.num_computed)
+            self.pool.record_lookup(seq.num_tokens, seq.num_computed, *seq.tier_hits)
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = seq.num_computed
+                seq.request.ram_hit_tokens, seq.request.disk_hit_tokens = seq.tier_hits
             self._reserve(seq, n, batch.copies)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -136,10 +141,12 @@ class Scheduler:
             seq.block_table.append(self.pool.allocate())
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Reuse computed KV at admission: fork a pinned parent, else walk the prefix cache."""
+        """Reuse computed KV at admission: fork a pinned parent, else walk the prefix cache (the pool, then
+        the tiers below it)."""
         bs, tokens = self.block_size, seq.token_ids
         limit = seq.num_tokens - 1  # the last token is always computed: its logits are sampled
         parent = seq.parent
+        seq.tier_hits = (0, 0)
         if parent is not None and parent.status == SeqStatus.PINNED:
             k = _common_prefix(tokens, parent.token_ids, min(parent.num_computed, limit))
             seq.block_table = self.pool.fork_table(parent.block_table[: self.blocks_for(k)])
@@ -147,16 +154,42 @@ class Scheduler:
             seq.num_computed = k
             self.touch_pin(parent)
         else:
-            h = None
+            loads: list[tuple[int, torch.Tensor]] = []
+            hits = {"ram": 0, "disk": 0}
             for i in range(limit // bs):
-                found = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
-                if found is None:
-                    break
-                block, h = found
-                self.pool.incref(block)
+                h = seq.block_hashes[-1] if seq.block_hashes else None
+                block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+                found = self.pool.lookup(h, block_tokens)
+                if found is not None:
+                    block, key = found
+                    self.pool.incref(block)
+                else:
+                    loaded = self._load_from_tiers(h, block_tokens)
+                    if loaded is None:
+                        break
+                    (block, key, payload), tier = loaded
+                    loads.append((block, payload))
+                    hits[tier] += bs
                 seq.block_table.append(block)
-                seq.block_hashes.append(h)
+                seq.block_hashes.append(key)
+            if loads:
+                self.tiers.load([b for b, _ in loads], [p for _, p in loads])
             seq.num_computed = len(seq.block_table) * bs
+            seq.tier_hits = (hits["ram"], hits["disk"])
+
+    def _load_from_tiers(self, parent: bytes | None, block_tokens: tuple[int, ...]):
+        """((fresh pool block, key, payload), tier) for a block a lower tier holds, indexed in the pool
+        already (its KV is copied in, batched, before anything can read it); None on a miss."""
+        if self.tiers is None or not self.pool.enable_prefix_cache or self.pool.num_free == 0:
+            return None
+        key = chain_hash(parent, block_tokens)
+        found = self.tiers.fetch(key, block_tokens)
+        if found is None:
+            return None
+        tier, payload = found
+        block = self.pool.allocate()
+        self.pool.register(block, parent, block_tokens)
+        return (block, key, payload), tier
 
     def _blocks_computed_by(self, items: list[tuple[Sequence, int]]) -> set[bytes]:
         """Chain hashes of the full blocks these scheduled chunks complete (indexed only after the step)."""

@@ -32,6 +32,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chain keys of the leading full, computed blocks
         self.num_computed = 0               # tokens whose K/V are in the pool
+        self.tier_hits = (0, 0)             # (RAM, disk) tokens loaded back at the last admission
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -73,7 +74,9 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    prefix_hit_tokens: int | None = None  # set at first admission
+    prefix_hit_tokens: int | None = None  # set at first admission (reused from any tier)
+    ram_hit_tokens: int = 0              # of those, loaded from the host-RAM tier
+    disk_hit_tokens: int = 0             # of those, loaded from the disk tier
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
 

@@ -265,3 +265,4 @@ class AsyncEngine:
             if future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError("the engine loop has stopped"))
         self._fail_all(Failure("the server is shutting down", 503, "server_shutting_down"))
+        self.engine.close()  # cached prompts (a shared system prompt) reach the disk tier for the next start
