@@ -18,6 +18,7 @@ class ModelOptions:
     block_size: int = 16
     kv_memory: Optional[str] = None
     max_context: Optional[int] = None
+    kv_allocation: str = "paged"    # serve only: "reserved" is the contiguous-cache peer of `bench serve`
     kv_disk: Optional[str] = None   # None = DEFAULT_KV_DISK; "0" = no disk tier
     kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier
 
@@ -53,6 +54,7 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                           kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
+                          kv_allocation=opts.kv_allocation,
                           kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
                           kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM)
     engine = Engine(config, show_progress=show_progress)

@@ -1,10 +1,13 @@
 """Random interleavings of add, fork, step, abort, finish, preempt, pin, session switch, evict and release
 over the real engine (model-free runner); in some programs with RAM and disk tiers under the pool, plus
-process restarts (a new engine on the same disk folder), corrupted block files and a dropped RAM tier. After every rule: refcounts equal table references, free + used =
-total, no block both free and referenced, no write into a shared block (the runner asserts it), every
-computed token's KV in the right slot (blocks loaded back from RAM or disk included), waiting sequences hold no blocks; `finish` drains the engine within a
-bounded number of steps (a full pool never hangs); and when everything is aborted and released, the pool is
-all free again.
+process restarts (a new engine on the same disk folder), corrupted block files and a dropped RAM tier.
+After every rule: refcounts equal table references, free + used = total, no block both free and
+referenced, no write into a shared block (the runner asserts it), every computed token's KV in the right
+slot (blocks loaded back from RAM or disk included), waiting sequences hold no blocks; `finish` drains the
+engine within a bounded number of steps (a full pool never hangs); and when everything is aborted and
+released, the pool is all free again. The same program runs on the up-front reservation mode
+(kv_allocation="reserved", the peer of `bench serve`), where every admitted request also holds the blocks
+of its whole reply.
 
 CI runs EXAMPLES x STEPS (100 x 100) programs and asserts that they took at least 10,000 engine steps; a
 nightly-style run raises PAGEDCHAT_FUZZ_EXAMPLES / PAGEDCHAT_FUZZ_STEPS."""
@@ -39,16 +42,19 @@ COUNTS: Counter = Counter()
 
 
 class EngineMachine(RuleBasedStateMachine):
+    KV_ALLOCATION = "paged"
+
     def __init__(self):
         super().__init__()
         self.tiers = None            # fake_engine's tier settings, when this program has tiers
-        self.request_ids: list[str] = []
-        self.heads: list = []        # every handle ever pinned: a chat session keeps them even once evicted
         self._start_engine()
+        self.request_ids: list[str] = []
+        self.fork_ids: set[str] = set()   # engine.fork children grow from their parent's table, not reserved
+        self.heads: list = []        # every handle ever pinned: a chat session keeps them even once evicted
 
     def _start_engine(self):
         self.engine, self.runner = fake_engine(num_blocks=16, block_size=8, max_num_batched_tokens=16,
-                                               tiers=self.tiers)
+                                               kv_allocation=self.KV_ALLOCATION, tiers=self.tiers)
         scheduler = self.engine.scheduler
         real_evict = scheduler.evict_pin
 
@@ -60,9 +66,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     @initialize(tiers=st.sampled_from(["none", "none", "ram+disk", "disk"]))
     def choose_tiers(self, tiers):
-        """A third of the programs run with tiers: a small RAM tier (10 blocks of token ids) and a disk
-        folder small enough to be trimmed."""
-        if tiers != "none":
+        """A third of the paged programs run with tiers: a small RAM tier (10 blocks of token ids) and a disk
+        folder small enough to be trimmed. (A reserved pool indexes nothing, so there is nothing to tier.)"""
+        if tiers != "none" and self.KV_ALLOCATION == "paged":
             self.tiers = {"ram_bytes": 640 if tiers == "ram+disk" else 0, "disk_bytes": 24 * 1024,
                           "disk_dir": tempfile.mkdtemp(prefix="pagedchat-kv-")}
             self._start_engine()
@@ -124,6 +130,7 @@ class EngineMachine(RuleBasedStateMachine):
         handle = data.draw(st.sampled_from(self.running() + self.pinned()))
         if handle.num_tokens + 1 < self.engine.max_model_len:
             self.request_ids.append(self.engine.fork(handle, SamplingParams(temperature=0, max_tokens=3), keep=keep))
+            self.fork_ids.add(self.request_ids[-1])
 
     @rule(count=st.integers(1, 4))
     def step(self, count):
@@ -187,7 +194,7 @@ class EngineMachine(RuleBasedStateMachine):
         self._drop_everything()
         self._count_tier_hits()
         self.engine.close()
-        self.request_ids = []
+        self.request_ids, self.fork_ids = [], set()
         self._start_engine()
         COUNTS["restarts"] += 1
 
@@ -229,6 +236,20 @@ class EngineMachine(RuleBasedStateMachine):
             assert not seq.block_table and seq.num_computed == 0, f"waiting {seq} sits on blocks"
         if engine.tiers is not None and engine.tiers.ram is not None:
             engine.tiers.ram.check_invariants()
+        if self.KV_ALLOCATION == "reserved":
+            self.holds_whole_reply()
+
+    def holds_whole_reply(self):
+        """Reserved: an admitted request holds the blocks of prompt + max_tokens (within the context) for
+        as long as it runs, and a pin only the blocks of its tokens."""
+        scheduler = self.engine.scheduler
+        assert not self.engine.pool.hash_to_block, "a contiguous cache shares no blocks: nothing is indexed"
+        for seq in self.running():
+            if seq.request.request_id not in self.fork_ids:
+                full = min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.engine.max_model_len)
+                assert len(seq.block_table) >= scheduler.blocks_for(full), f"{seq} holds less than its reply"
+        for seq in self.pinned():
+            assert len(seq.block_table) <= scheduler.blocks_for(seq.num_tokens), f"pin {seq} keeps unused blocks"
 
     def teardown(self):
         """After the program: abort and release everything; every block must come back."""
@@ -252,6 +273,10 @@ SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=N
                     suppress_health_check=list(HealthCheck))
 
 
+class ReservedEngineMachine(EngineMachine):
+    KV_ALLOCATION = "reserved"
+
+
 def test_engine_state_machine():
     COUNTS.clear()
     run_state_machine_as_test(EngineMachine, settings=SETTINGS)
@@ -262,4 +287,13 @@ def test_engine_state_machine():
     for path in ("engine preemptions", "preempted", "pins dropped", "switch to evicted head", "cow copies",
                  "failed alone", "finish", "prefix hit tokens", "ram hit tokens", "disk hit tokens", "restarts",
                  "corrupted files"):
+        assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
+
+
+def test_reserved_engine_state_machine():
+    """Up-front reservation: the same invariants; requests too big to reserve fail alone, nothing hangs."""
+    COUNTS.clear()
+    run_state_machine_as_test(ReservedEngineMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
+    print(f"\nreserved state machine: {dict(COUNTS)}")
+    for path in ("preempted", "failed alone", "finish"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"

@@ -8,6 +8,7 @@ the outputs of two implementations can be compared token for token.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from pagedchat.errors import UserError
@@ -24,7 +25,7 @@ SIZES = {
 }
 
 
-def random_config(arch: str, size: str = "small", max_positions: int = 4096):
+def random_config(arch: str, size: str = "small", max_positions: int = 4096, **overrides):
     """An HF config of the given family and size (random weights come from its initializer)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -34,6 +35,7 @@ def random_config(arch: str, size: str = "small", max_positions: int = 4096):
         raise UserError(f"--random-size wants one of {', '.join(SIZES)}, got {size!r}")
     common = dict(SIZES[size], max_position_embeddings=max_positions, rms_norm_eps=1e-6,
                   tie_word_embeddings=size == "1b", eos_token_id=2, bos_token_id=None, pad_token_id=0)
+    common.update(overrides)
     head_dim = common["hidden_size"] // common["num_attention_heads"]
     if arch == "llama":
         return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
@@ -45,7 +47,7 @@ def random_config(arch: str, size: str = "small", max_positions: int = 4096):
 
 
 def build_random_model(arch: str, path: Path, size: str = "small", max_positions: int = 4096, seed: int = 0,
-                       dtype: str = "float32") -> Path:
+                       dtype: str = "float32", **overrides) -> Path:
     """Save a random `arch` model of `size` to `path` (config + safetensors, no tokenizer)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -53,7 +55,7 @@ def build_random_model(arch: str, path: Path, size: str = "small", max_positions
     from pagedchat.bench.common import quiet_transformers
 
     quiet_transformers()
-    config = random_config(arch, size, max_positions)
+    config = random_config(arch, size, max_positions, **overrides)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -79,6 +81,24 @@ def resolve_model(model: str | None, random_arch: str | None, random_size: str, 
     if not Path(entry.path).is_dir():
         raise UserError(f"model {model!r} resolves to {entry.path}, which is not a local folder")
     return Path(entry.path), entry.name
+
+
+DEMO_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def build_chat_bench_model(arch: str, path: Path, size: str = "tiny", max_positions: int = 4096) -> Path:
+    """A random model a server can chat with: random weights over the shipped demo model's tokenizer and
+    chat template, so requests can be chat messages and replies stream as text."""
+    import shutil
+    from importlib import resources
+
+    demo = Path(str(resources.files("pagedchat") / "assets" / "demo-chat"))
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    build_random_model(arch, path, size, max_positions, vocab_size=vocab)
+    for name in DEMO_TOKENIZER_FILES:
+        if (demo / name).exists():
+            shutil.copy(demo / name, Path(path) / name)
+    return Path(path)
 
 
 def size_tag(size: str) -> str:

@@ -167,6 +167,82 @@ def chat(
     print_json(result) if as_json else print_chat_report(result)
 
 
+@bench.command("serve", help="Latency under load through `pagedchat serve`: Poisson arrivals over a sweep of "
+                             "rates, paged vs up-front reservation (what a contiguous cache must do) on the same "
+                             "engine and pool; the highest load each sustains with p99 TTFT under a target.")
+def serve(
+    model: Optional[str] = typer.Option(None, "-m", "--model", help="models.toml name or local HF folder with a "
+                                                                   "tokenizer (default: a random bench model "
+                                                                   "with the demo model's tokenizer)."),
+    random_arch: str = typer.Option("llama", "--random", help="Architecture of the random bench model."),
+    random_size: str = typer.Option("tiny", "--random-size", help="tiny, small or 1b."),
+    url: Optional[str] = typer.Option(None, "--url", help="Measure a running server on 127.0.0.1 instead (one "
+                                                          "mode: name it with --modes)."),
+    workload: str = typer.Option("lognormal", "--workload", help="lognormal (independent requests) or chat "
+                                                                 "(multi-turn conversations)."),
+    rates: str = typer.Option("1,2,3,4,6,8", "--rates", help="Offered loads, requests/s, comma-separated."),
+    requests: int = typer.Option(60, "--requests", help="Requests per rate and mode (count bound)."),
+    max_seconds: float = typer.Option(60, "--max-seconds", help="Arrivals per rate stop after this (time bound)."),
+    mean_prompt: float = typer.Option(64, "--mean-prompt", help="Mean prompt tokens (chat: per user message)."),
+    mean_output: float = typer.Option(48, "--mean-output", help="Mean reply tokens (lognormal)."),
+    sigma: float = typer.Option(0.8, "--sigma", help="Lognormal shape of both lengths."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="max_tokens every request declares: what up-front "
+                                                              "reservation holds."),
+    system_tokens: int = typer.Option(0, "--system-tokens", help="Shared system prompt tokens (0 = none)."),
+    turns: int = typer.Option(4, "--turns", help="Chat: turns per conversation."),
+    think: float = typer.Option(0.5, "--think", help="Chat: mean seconds between a reply and the next turn."),
+    pool_blocks: int = typer.Option(192, "--pool-blocks", help="KV pool of each server, in blocks."),
+    block_size: int = typer.Option(16, "--block-size"),
+    ttft_target: float = typer.Option(2.0, "--ttft-target", help="p99 TTFT (s) a sustained rate stays under."),
+    timeout: float = typer.Option(60, "--timeout", help="Seconds before a request counts as failed."),
+    modes: str = typer.Option("paged,reserved", "--modes", help="Which of paged,reserved to run."),
+    device: str = DEVICE,
+    threads: Optional[int] = THREADS,
+    seed: int = SEED,
+    as_json: bool = JSON,
+    plot: Optional[str] = PLOT,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat.bench.common import print_json
+    from pagedchat.bench.load import Workload
+    from pagedchat.bench.models import build_chat_bench_model, resolve_device, resolve_model
+    from pagedchat.bench.serve import SweepParams, check_loopback, plot_serve, print_serve_report, run_serve_bench
+
+    url = check_loopback(url) if url else None
+    if workload not in ("lognormal", "chat"):
+        raise UserError(f"--workload wants lognormal or chat, got {workload!r}")
+    try:
+        rate_list = tuple(sorted({float(r) for r in rates.split(",") if r.strip()}))
+    except ValueError:
+        raise UserError(f"--rates wants comma-separated requests/s, got {rates!r}") from None
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    if url and len(mode_list) != 1:
+        raise UserError("--url measures one server: name its mode with --modes paged or --modes reserved")
+    if min(requests, turns, max_tokens) < 1 or min(mean_prompt, mean_output) <= 0 or sigma < 0 or think < 0:
+        raise UserError("--requests, --turns, --max-tokens, --mean-prompt and --mean-output must be positive")
+    device = resolve_device(device)
+    plot = _plot_path(plot)
+    load = Workload(kind=workload, requests=requests, mean_prompt=mean_prompt, mean_output=mean_output, sigma=sigma,
+                    max_tokens=max_tokens, system_tokens=system_tokens, turns=turns, think_s=think, seed=seed)
+    sweep = SweepParams(rates=rate_list, modes=mode_list, pool_blocks=pool_blocks, block_size=block_size,
+                        ttft_target_s=ttft_target, max_seconds=max_seconds, timeout_s=timeout,
+                        threads=_threads(threads, device) or 0, device=device)
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        if model:
+            path, name = resolve_model(model, None, random_size, Path(tmp))
+        else:
+            path = build_chat_bench_model(random_arch, Path(tmp) / f"{random_arch}-{random_size}", random_size)
+            name = f"random {random_arch} ({random_size}) with the demo tokenizer"
+        result = run_serve_bench(path, name, load, sweep, url=url, show_progress=not as_json)
+    if plot:
+        plot_serve([result], plot)
+        result["plot"] = plot
+    _stamp(result)
+    print_json(result) if as_json else print_serve_report(result)
+
+
 def _stamp(result: dict) -> None:
     """Provenance for every number: the exact command line, the date and the machine."""
     import datetime

@@ -42,7 +42,8 @@ def chat(
     from pagedchat.chat.app import start
     from pagedchat.chat.repl import run_repl
 
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, kv_disk, kv_ram)
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context,
+                                     kv_disk=kv_disk, kv_ram=kv_ram)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     _check_flags(sampling)
     ctl, created = start(model_opts, sampling, session, continue_last, system)

@@ -45,7 +45,8 @@ def run(
     kv_disk: Optional[str] = common.KV_DISK,
     kv_ram: Optional[str] = common.KV_RAM,
 ) -> None:
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, kv_disk, kv_ram)
+    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context,
+                                     kv_disk=kv_disk, kv_ram=kv_ram)
     sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")

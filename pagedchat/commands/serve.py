@@ -29,10 +29,15 @@ def serve(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    kv_allocation: str = typer.Option("paged", "--kv-allocation",
+                                      help="paged, or reserved: every request takes the blocks of its prompt + "
+                                           "max_tokens at admission and shares none, as a contiguous KV cache "
+                                           "must (the peer `pagedchat bench serve` measures against)."),
     kv_disk: Optional[str] = common.KV_DISK,
     kv_ram: Optional[str] = common.KV_RAM,
 ) -> None:
     from pagedchat.serve.server import run_server
 
-    opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, kv_disk, kv_ram)
+    opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, kv_allocation,
+                               kv_disk=kv_disk, kv_ram=kv_ram)
     run_server(opts, host, port, api_key, served_model_name, verbose)

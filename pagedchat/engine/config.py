@@ -49,6 +49,7 @@ class EngineConfig:
     max_num_seqs: int = 256         # running sequences per step
     max_num_batched_tokens: int = 2048  # per-step token budget; prefill is chunked to fit it
     enable_prefix_cache: bool = True
+    kv_allocation: str = "paged"    # paged | reserved: the peer a contiguous cache stands for (bench serve)
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
     # Tiers below the pool (0 = off; the library default, so tests and benchmarks keep no state; the CLI
@@ -72,5 +73,10 @@ class EngineConfig:
             raise UserError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
             raise UserError(f"kv fraction must be in (0, 1], got {self.kv_fraction}")
+        if self.kv_allocation not in ("paged", "reserved"):
+            raise UserError(f"--kv-allocation must be paged or reserved, got {self.kv_allocation!r}")
+        if self.kv_allocation == "reserved":
+            # A contiguous per-request region cannot hold another request's blocks: no prefix sharing.
+            self.enable_prefix_cache = False
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
             raise UserError(f"unknown dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")

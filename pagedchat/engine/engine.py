@@ -103,7 +103,9 @@ class Engine:
         self.tiers = tiers if tiers is not None else self._build_tiers()
         if self.tiers is not None:
             self.pool.on_evict = self.tiers.spill
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens, self.tiers)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   reserve_upfront=config.kv_allocation == "reserved",
+                                   max_model_len=self.max_model_len, tiers=self.tiers)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -5,6 +5,10 @@ waiting ones join while the per-step token budget and the pool allow. Prompts la
 budget are prefilled in chunks across steps. When a step needs a block and none is free, pins of the least
 recently used conversation branches are dropped first, then the newest running sequence is preempted (its
 blocks freed but still hashed, so its re-prefill mostly hits the cache).
+
+With `reserve_upfront` (the engine's `kv_allocation="reserved"`), admission takes the blocks for the whole
+prompt + max_tokens at once, as a contiguous per-request cache must: the same engine without paging's
+allocate-as-you-grow, the peer that `pagedchat bench serve` measures against.
 """
 
 from __future__ import annotations
@@ -31,8 +35,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, tiers: KVTiers | None = None):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 reserve_upfront: bool = False, max_model_len: int | None = None, tiers: KVTiers | None = None):
+        assert not reserve_upfront or max_model_len, "up-front reservation needs the context length"
         self.pool = pool
+        self.reserve_upfront = reserve_upfront
+        self.max_model_len = max_model_len
         self.tiers = tiers  # RAM/disk below the pool: prefix lookups go on there after a pool miss
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
@@ -90,7 +98,8 @@ class Scheduler:
                 self._release(seq)  # its next block is being computed right now: share it next step
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self._make_room(seq, n, reserve=self.watermark if self.running else 0):
+            hold = self._tokens_to_hold(seq, n)
+            if not self._make_room(seq, hold, reserve=self.watermark if self.running else 0):
                 if not self.running and self.pool.num_used == self._held_by(seq):
                     self.waiting.popleft()      # nothing else holds memory: it can never fit
                     batch.failed.append(seq)
@@ -103,7 +112,7 @@ class Scheduler:
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = seq.num_computed
                 seq.request.ram_hit_tokens, seq.request.disk_hit_tokens = seq.tier_hits
-            self._reserve(seq, n, batch.copies)
+            self._reserve(seq, hold, batch.copies)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             batch.items.append((seq, n))
@@ -118,11 +127,21 @@ class Scheduler:
             self._register_full_blocks(seq)
 
     # -- blocks ---------------------------------------------------------------------------------------------
+    def _tokens_to_hold(self, seq: Sequence, n: int) -> int:
+        """Tokens past the computed ones that admission must hold blocks for: this step's chunk (paged), or
+        the rest of the prompt and the whole reply up to max_tokens within the context (reserved)."""
+        if not self.reserve_upfront:
+            return n
+        full = min(seq.num_prompt_tokens + seq.request.params.max_tokens, self.max_model_len)
+        return max(n, full - seq.num_computed)
+
     def _blocks_needed(self, seq: Sequence, n: int) -> int:
-        new = max(0, self.blocks_for(seq.num_computed + n) - len(seq.block_table))
-        first = seq.num_computed // self.block_size
-        cow = first < len(seq.block_table) and self.pool.ref_count[seq.block_table[first]] > 1
-        return new + int(cow)
+        """New blocks plus copies of shared ones about to be written (paged: at most the partial block;
+        a fork of a reserved table shares its empty reserved blocks too)."""
+        end = self.blocks_for(seq.num_computed + n)
+        new = max(0, end - len(seq.block_table))
+        written = seq.block_table[seq.num_computed // self.block_size:end]
+        return new + sum(1 for b in written if self.pool.ref_count[b] > 1)
 
     def _make_room(self, seq: Sequence, n: int, reserve: int) -> bool:
         needed = self._blocks_needed(seq, n) + reserve
@@ -219,6 +238,13 @@ class Scheduler:
             seq.block_hashes.append(self.pool.register(seq.block_table[i], parent,
                                                        tuple(seq.token_ids[i * bs:(i + 1) * bs])))
 
+    def _drop_unused_tail(self, seq: Sequence) -> None:
+        """A pin keeps the blocks of its tokens only; reserved blocks a reply ended before using go back."""
+        keep = self.blocks_for(seq.num_tokens)
+        for block in reversed(seq.block_table[keep:]):
+            self.pool.decref(block)
+        del seq.block_table[keep:]
+
     def _held_by(self, seq: Sequence) -> int:
         return sum(1 for b in seq.block_table if self.pool.ref_count[b] > 0)
 
@@ -241,6 +267,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if keep and seq.block_table:
+            self._drop_unused_tail(seq)
             seq.status = SeqStatus.PINNED
             self.pins[seq.seq_id] = seq
         else:

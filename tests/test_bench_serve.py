@@ -1,0 +1,81 @@
+"""`pagedchat bench serve` and the up-front reservation mode it measures against.
+
+The engine test pins down what "reserved" means (blocks for prompt + max_tokens at admission, nothing shared,
+the same tokens); the end-to-end test runs a tiny sweep through two real server subprocesses and checks the
+JSON's shape and that no server outlives it. No timing is asserted anywhere: latency numbers come from the
+benchmark, not from tests."""
+
+import json
+import os
+
+import pytest
+
+from cli_util import invoke
+from fake_runner import fake_engine
+from pagedchat.engine import SamplingParams
+
+
+def _admit(kv_allocation: str, prompt: list[int], max_tokens: int, num_blocks: int = 64):
+    engine, _ = fake_engine(num_blocks=num_blocks, block_size=8, kv_allocation=kv_allocation)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    engine.step()      # admission + prefill
+    return engine, rid
+
+
+def test_reserved_admission_holds_the_whole_reply_and_paged_only_the_prompt():
+    prompt = [3 + i % 20 for i in range(20)]        # 20 tokens: 3 blocks of 8
+    paged, _ = _admit("paged", prompt, max_tokens=100)
+    reserved, _ = _admit("reserved", prompt, max_tokens=100)
+    assert paged.pool.num_used == 3
+    assert reserved.pool.num_used == -(-(20 + 100) // 8)      # 15 blocks, before a single reply token
+    assert not reserved.pool.enable_prefix_cache
+
+
+def test_reserved_gives_the_same_tokens_and_frees_everything():
+    prompts = [[3 + (i * n) % 20 for i in range(n)] for n in (5, 17, 30)]
+    outputs = {}
+    for mode in ("paged", "reserved"):
+        engine, _ = fake_engine(num_blocks=40, block_size=8, kv_allocation=mode)
+        results = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        outputs[mode] = [r.outputs[0].token_ids for r in results]
+        assert engine.pool.num_used == 0
+    assert outputs["paged"] == outputs["reserved"]
+
+
+def test_reserved_request_larger_than_the_pool_fails_alone():
+    engine, rid = _admit("reserved", list(range(3, 13)), max_tokens=200, num_blocks=16)   # 210 tokens > 16 x 8
+    out = engine.pop_output(rid)
+    assert out.finished and "KV memory" in out.error and engine.pool.num_used == 0
+
+
+def test_serve_rejects_an_unknown_allocation(model, capsys, monkeypatch):
+    code, out, err = invoke(["serve", "-m", str(model), "--port", "0", "--device", "cpu", "--kv-allocation",
+                             "contiguous"], capsys=capsys, monkeypatch=monkeypatch)
+    assert code != 0 and "--kv-allocation must be paged or reserved" in err and "Traceback" not in out + err
+
+
+def test_bench_serve_tiny_sweep_end_to_end(capsys, monkeypatch):
+    code, out, err = invoke(["bench", "serve", "--rates", "3", "--requests", "3", "--max-seconds", "5",
+                             "--mean-prompt", "8", "--mean-output", "3", "--max-tokens", "16", "--pool-blocks", "32",
+                             "--timeout", "60", "--json"], capsys=capsys, monkeypatch=monkeypatch)
+    assert code == 0, err
+    result = json.loads(out)
+    assert set(result["modes"]) == {"paged", "reserved"}
+    for mode in result["modes"].values():
+        assert {"sustained_rate", "failed", "rows"} <= set(mode)
+        (row,) = mode["rows"]
+        assert row["rate"] == 3 and row["offered"] == row["completed"] + row["failed"]
+        for key in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "e2e_p50_s",
+                    "output_tokens_per_s", "kv_blocks_peak", "kv_blocks_mean", "preemptions", "prefix_hit_rate"):
+            assert key in row
+    assert "sustained_ratio" in result and result["pool"]["num_blocks"] == 32
+    for server in result["servers"].values():          # every server it started is gone
+        assert server["url"].startswith("http://127.0.0.1:")
+        with pytest.raises(ProcessLookupError):
+            os.kill(server["pid"], 0)
+
+
+def test_bench_serve_refuses_other_machines(capsys, monkeypatch):
+    code, out, err = invoke(["bench", "serve", "--url", "http://example.com:8000/v1", "--modes", "paged",
+                             "--rates", "1"], capsys=capsys, monkeypatch=monkeypatch)
+    assert code != 0 and "127.0.0.1" in err + out and "Traceback" not in err + out
