@@ -43,9 +43,9 @@ class ContentRunner:
     def read_blocks(self, blocks):
         return torch.tensor([[-1 if t is None else t for t in self.content[b]] for b in blocks], dtype=torch.int64)
 
-    def write_blocks(self, blocks, payload):
-        for b, row in zip(blocks, payload.tolist()):
-            self.content[b] = [None if t < 0 else t for t in row]
+    def write_blocks(self, blocks, payloads):
+        for b, row in zip(blocks, payloads):
+            self.content[b] = [None if t < 0 else t for t in row.tolist()]
 
     def check_sequence(self, seq) -> None:
         for p in range(seq.num_computed):

@@ -241,3 +241,55 @@ def test_run_session_reopened_in_a_new_process_hits_disk(pagedchat_cli, model):
     code, out, _ = pagedchat_cli("cache", "clear", "--model", str(model))
     assert code == 0 and "removed" in out
     assert json.loads(pagedchat_cli("cache", "stats", "--json")[1])["fingerprints"] == []
+
+
+def test_serve_restart_keeps_the_cached_system_prompt(model):
+    """The first request after a restart reports cached_tokens > 0: the closing server wrote its cached
+    prompt blocks to the disk tier, and the new one loads them."""
+    import httpx
+
+    from pagedchat.serve import AsyncEngine, create_app
+    from pagedchat.serve.server import settings_for
+    from pagedchat.settings import ModelOptions, load_engine
+    from serve_util import serving
+
+    system = " ".join(["you are a helpful assistant who answers briefly"] * 6)
+
+    def first_request_cached_tokens(user: str) -> int:
+        engine, entry = load_engine(ModelOptions(model=str(model), device="cpu", kv_memory="1MiB"),
+                                    show_progress=False)
+        with serving(create_app(AsyncEngine(engine), settings_for(entry, None, "tiny"))) as url:
+            body = {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+            r = httpx.post(url + "/chat/completions", json=body, timeout=60)
+            r.raise_for_status()
+            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert first_request_cached_tokens("hello") == 0
+    assert first_request_cached_tokens("what is 17 + 25?") > 0
+
+
+def test_fingerprint_separates_models_and_settings(model, tmp_path, monkeypatch):
+    from pagedchat.engine import kv_fingerprint as fp
+    from pagedchat.model.loader import weight_files
+
+    files = weight_files(model)
+    base = fp.engine_fingerprint(model, files, torch.float32, 16, "cpu", tmp_path)[0]
+    assert base == fp.engine_fingerprint(model, files, torch.float32, 16, "cpu", tmp_path)[0]
+    others = {fp.engine_fingerprint(model, files, torch.float32, 32, "cpu", tmp_path)[0],
+              fp.engine_fingerprint(model, files, torch.bfloat16, 16, "cpu", tmp_path)[0],
+              fp.engine_fingerprint(model, files, torch.float32, 16, "cuda", tmp_path)[0]}
+    assert base not in others and len(others) == 3
+    # the weight digest is cached per (size, mtime): unchanged files are not read again
+    monkeypatch.setattr(fp, "file_digest", lambda path: pytest.fail("re-hashed an unchanged file"))
+    assert fp.engine_fingerprint(model, files, torch.float32, 16, "cpu", tmp_path)[0] == base
+    monkeypatch.undo()
+    # other weights (a copy of the model with one weight byte changed): another fingerprint
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for f in model.iterdir():
+        (other / f.name).write_bytes(f.read_bytes())
+    data = bytearray((other / files[0].name).read_bytes())
+    data[-1] ^= 0x01
+    (other / files[0].name).write_bytes(bytes(data))
+    assert fp.engine_fingerprint(other, weight_files(other), torch.float32, 16, "cpu", tmp_path)[0] != base

@@ -130,6 +130,8 @@ def chat(
     repeats: int = typer.Option(5, "--repeats", help="Measurements per point (median; a new message each)."),
     block_size: int = typer.Option(16, "--block-size"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also time transformers."),
+    reopen: bool = typer.Option(False, "--reopen", help="Instead: reopen a saved session in a fresh engine, "
+                                                        "first-turn TTFT with the disk KV tier vs re-prefill."),
     device: str = DEVICE,
     dtype: str = DTYPE,
     threads: Optional[int] = THREADS,
@@ -141,6 +143,7 @@ def chat(
     from pathlib import Path
 
     from pagedchat.bench.chat import plot_chat, print_chat_report, run_chat_bench
+    from pagedchat.bench.reopen import print_reopen_report, run_reopen_bench
     from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
 
@@ -156,6 +159,12 @@ def chat(
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
         path, name = resolve_model(model, random_arch, random_size, Path(tmp), max(4096, -(-needed // 1024) * 1024),
                                    dtype="bfloat16" if random_size == "1b" else "float32")
+        if reopen:
+            result = run_reopen_bench(path, name, histories, message_tokens, reply_tokens, repeats, block_size,
+                                      device, dtype, seed, _threads(threads, device))
+            _stamp(result)
+            print_json(result) if as_json else print_reopen_report(result)
+            return
         result = run_chat_bench(path, name, histories=histories, message_tokens=message_tokens,
                                 reply_tokens=reply_tokens, variants=variants, repeats=repeats,
                                 block_size=block_size, device=device, dtype=dtype, seed=seed,

@@ -122,11 +122,11 @@ class Engine:
         from pagedchat.model.loader import weight_files
 
         fp, meta = "", {}
+        root = Path(config.kv_dir) if config.kv_dir else kv_cache_root()
         if config.kv_disk:
             extra = {"quantize": q} if (q := getattr(config, "quantize", None)) else None
             fp, meta = engine_fingerprint(self.loaded.path, weight_files(self.loaded.path), self.loaded.dtype,
-                                          config.block_size, self.device.type, extra)
-        root = Path(config.kv_dir) if config.kv_dir else kv_cache_root()
+                                          config.block_size, self.device.type, root, extra)
         return build_tiers(self.runner, self.runner.block_payload_shape, self.loaded.dtype, fp, config.kv_ram,
                            config.kv_disk, root, meta)
 

@@ -47,18 +47,16 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _digest_cache_path() -> Path:
-    return kv_cache_root() / "weight-digests.json"
-
-
-def weights_digest(files: list[Path]) -> str:
-    """Digest of every weight file, each cached under (path, size, mtime) in the cache folder."""
-    cache_path = _digest_cache_path()
+def weights_digest(files: list[Path], root: Path | None = None) -> str:
+    """Digest of every weight file, each cached under (path, size, mtime) in root/weight-digests.json
+    (entries of files that are gone are dropped)."""
+    cache_path = (root or kv_cache_root()) / "weight-digests.json"
     try:
         cache = json.loads(cache_path.read_text())
         assert isinstance(cache, dict)
     except (OSError, ValueError, AssertionError):
         cache = {}
+    cache = {path: entry for path, entry in cache.items() if os.path.exists(path)}
     h, changed = hashlib.blake2b(digest_size=16), False
     for path in sorted(Path(f).resolve() for f in files):
         st = path.stat()
@@ -84,9 +82,9 @@ def config_digest(model_dir: Path) -> str:
     return hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
-def model_digest(model_dir: Path, files: list[Path]) -> str:
+def model_digest(model_dir: Path, files: list[Path], root: Path | None = None) -> str:
     """What the model is, independent of how it is run: config + weights (`cache --model M` matches on it)."""
-    return hashlib.blake2b(f"{config_digest(model_dir)}:{weights_digest(files)}".encode(),
+    return hashlib.blake2b(f"{config_digest(model_dir)}:{weights_digest(files, root)}".encode(),
                            digest_size=16).hexdigest()
 
 
@@ -107,10 +105,10 @@ def _write_quietly(path: Path, data: bytes) -> None:
 
 
 def engine_fingerprint(model_dir: Path, weight_files: list[Path], dtype, block_size: int, device_type: str,
-                       extra: dict | None = None) -> tuple[str, dict]:
+                       root: Path, extra: dict | None = None) -> tuple[str, dict]:
     """(fingerprint, meta.json content) of a loaded model run with these settings. The pool's KV dtype is
     the model's dtype; it is listed on its own so a quantized-weights mode can differ."""
-    digest = model_digest(model_dir, weight_files)
+    digest = model_digest(model_dir, weight_files, root)
     dtype_name = str(dtype).removeprefix("torch.")
     fp = fingerprint(digest, dtype_name, dtype_name, block_size, device_type, extra)
     meta = {"model_path": str(model_dir), "model_digest": digest, "dtype": dtype_name, "kv_dtype": dtype_name,

@@ -30,8 +30,8 @@ class BlockIO(Protocol):
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """A CPU copy of these blocks, one row per block."""
 
-    def write_blocks(self, blocks: list[int], payload: torch.Tensor) -> None:
-        """Put rows of `payload` (as `read_blocks` returns them) into these blocks."""
+    def write_blocks(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
+        """Put these payloads (rows as `read_blocks` returns them) into these blocks."""
 
 
 class _DiskWriter:
@@ -129,7 +129,7 @@ class KVTiers:
 
     def load(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
         if blocks:
-            self.io.write_blocks(blocks, torch.stack(payloads))
+            self.io.write_blocks(blocks, payloads)
 
     # -- lifetime -------------------------------------------------------------------------------------------
     def flush(self) -> None:

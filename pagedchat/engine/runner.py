@@ -105,12 +105,14 @@ class ModelRunner:
         return torch.stack([k, v], dim=1).cpu()
 
     @torch.inference_mode()
-    def write_blocks(self, blocks: list[int], payload: torch.Tensor) -> None:
-        index = torch.tensor(blocks, device=self.device)
-        payload = payload.to(self.device)
-        for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches)):
-            k.index_copy_(0, index, payload[:, 0, layer])
-            v.index_copy_(0, index, payload[:, 1, layer])
+    def write_blocks(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
+        """Copy each block straight into its slots: stacking them first would allocate and copy the whole
+        load once more (a 4k-token history of a small model is 64 MiB)."""
+        for block, payload in zip(blocks, payloads):
+            payload = payload.to(self.device, non_blocking=True)
+            for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches)):
+                k[block].copy_(payload[0, layer])
+                v[block].copy_(payload[1, layer])
 
     # -- one step -------------------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
