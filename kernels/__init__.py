@@ -6,7 +6,7 @@ Dispatch rule of every entry point (backend="auto", the default):
   * Triton kernel when Triton imports, the dtype is fp16/bf16/fp32 and either the tensors are on CUDA or
     TRITON_INTERPRET=1 is set (the Triton interpreter then runs the kernel on CPU tensors);
   * otherwise the pure-torch twin (`*_ref`), which is also the float64 oracle.
-backend="triton" or backend="torch" forces a path; `set_default_backend` changes the default globally.
+backend="triton" or backend="torch" forces a path.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ __all__ = [
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
     "resolve_backend",
-    "set_default_backend",
     "triton_interpret_enabled",
     "write_kv",
     "write_kv_ref",
@@ -59,15 +58,7 @@ if HAS_TRITON:
                 "write_kv_triton"]
 
 _BACKENDS = ("auto", "triton", "torch")
-_default_backend = "auto"
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def set_default_backend(backend: str) -> None:
-    """Set the backend used when an entry point gets backend=None: "auto", "triton" or "torch"."""
-    global _default_backend
-    assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
-    _default_backend = backend
 
 
 def triton_interpret_enabled() -> bool:
@@ -79,7 +70,7 @@ def triton_interpret_enabled() -> bool:
 
 def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     """Return "triton" or "torch" for a call on `tensors` (the first one decides the device)."""
-    backend = backend or _default_backend
+    backend = backend or "auto"
     assert backend in _BACKENDS, f"backend must be one of {_BACKENDS}, got {backend!r}"
     if backend == "auto":
         runnable = tensors[0].is_cuda or triton_interpret_enabled()

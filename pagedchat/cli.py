@@ -53,6 +53,7 @@ def _invoke() -> None:
 def main() -> None:
     """Entry point: user errors become one line on stderr and a non-zero exit; --debug shows tracebacks."""
     from pagedchat.errors import UserError
+    from pagedchat.settings import cli_words
 
     debug = "--debug" in sys.argv or os.environ.get("PAGEDCHAT_DEBUG") == "1"
     if "--debug" in sys.argv:
@@ -62,7 +63,7 @@ def main() -> None:
     except UserError as e:
         if debug:
             raise
-        print(f"pagedchat: error: {e}", file=sys.stderr)
+        print(f"pagedchat: error: {cli_words(e)}", file=sys.stderr)   # engine settings named as flags
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         if debug:

@@ -15,12 +15,16 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from pagedchat.dtypes import DTYPE_CHOICES
 from pagedchat.errors import UserError
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens", "seed", "stop")
+# Keys other tools' configs have that pagedchat does not read: refused with their line, never silently ignored.
+_NOT_READ = {"kv": "the KV pool is sized per run: --kv-memory and --block-size",
+             "keep_alive": "the model stays loaded exactly as long as the chat, run or serve process"}
 ENTRY_KEYS = {"source", "path", "revision", "aliases", "dtype", "max_context", "chat_template",
-              "chat_template_kwargs", "system_prompt", "stop", "sampling", "trust_remote_code", "kv", "description"}
-DEFAULT_KEYS = (ENTRY_KEYS - {"trust_remote_code"}) | {"model", "keep_alive"}  # remote code: per model only
+              "chat_template_kwargs", "system_prompt", "stop", "sampling", "trust_remote_code", "description",
+              *_NOT_READ}
+DEFAULT_KEYS = (ENTRY_KEYS - {"trust_remote_code"}) | {"model"}  # remote code: per model only
 
 
 def user_config_path() -> Path:
@@ -164,7 +168,7 @@ def _read_toml(path: Path) -> dict:
         raise UserError(f"cannot read {path}: {e.strerror}") from None
 
 
-_SUBTABLES = ("sampling", "kv", "chat_template_kwargs")
+_SUBTABLES = ("sampling", "chat_template_kwargs")
 
 
 def _layer(base: dict, over: dict, path: Path, origins: dict) -> dict:
@@ -230,15 +234,16 @@ def _check_aliases(registry: "Registry") -> None:
             seen[alias] = name
 
 
-_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16")
 _TYPES = {"source": str, "path": str, "revision": str, "dtype": str, "chat_template": str, "system_prompt": str,
-          "description": str, "model": str, "keep_alive": str, "trust_remote_code": bool, "max_context": int,
-          "sampling": dict, "kv": dict, "chat_template_kwargs": dict}
+          "description": str, "model": str, "trust_remote_code": bool, "max_context": int,
+          "sampling": dict, "chat_template_kwargs": dict}
 
 
 def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> None:
     def fail(message: str, key: str | None = None):
         line = locate(path, where, key)
+        if isinstance(table, dict) and isinstance(table.get(key), dict):   # written as its own [where.key] table?
+            line = locate(path, f"{where}.{key}") or line
         raise UserError(f"{path}:{line}: [{where}] {message}" if line else f"{path}: [{where}] {message}")
 
     if not isinstance(table, dict):
@@ -246,14 +251,16 @@ def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> N
     if where == "defaults" and "trust_remote_code" in table:
         fail("trust_remote_code is allowed only in a model's own [models.NAME] table: it lets that model's "
              "folder run code on this machine", "trust_remote_code")
+    for key in sorted(set(table) & set(_NOT_READ)):
+        fail(f"{key} is not a setting pagedchat reads ({_NOT_READ[key]}): remove it", key)
     unknown = sorted(set(table) - allowed)
     if unknown:
         fail(f"has unknown key {unknown[0]!r} (allowed: {', '.join(sorted(allowed))})", unknown[0])
     for key, kind in _TYPES.items():
         if key in table and (not isinstance(table[key], kind) or kind is int and isinstance(table[key], bool)):
             fail(f"{key} must be {_KIND_NAMES[kind]}, got {table[key]!r}", key)
-    if "dtype" in table and table["dtype"] not in _DTYPES:
-        fail(f"dtype must be one of {', '.join(_DTYPES)}, got {table['dtype']!r}", "dtype")
+    if "dtype" in table and table["dtype"] not in DTYPE_CHOICES:
+        fail(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {table['dtype']!r}", "dtype")
     if "max_context" in table and table["max_context"] < 1:
         fail(f"max_context must be a positive number of tokens, got {table['max_context']}", "max_context")
     aliases = table.get("aliases", [])
@@ -263,11 +270,12 @@ def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> N
     if not isinstance(stop, (str, list)) or isinstance(stop, list) and not all(isinstance(x, str) for x in stop):
         fail("stop must be a string or a list of strings", "stop")
     sampling = table.get("sampling") or {}
-    bad = sorted(set(sampling) - set(SAMPLING_KEYS))
-    if bad:
-        fail(f"sampling has unknown key {bad[0]!r} (allowed: {', '.join(SAMPLING_KEYS)})", f"sampling.{bad[0]}")
     if sampling:
-        from pagedchat.engine.sampling_params import SamplingParams
+        from pagedchat.engine.sampling_params import SETTING_KEYS, SamplingParams
+
+        bad = sorted(set(sampling) - set(SETTING_KEYS))
+        if bad:
+            fail(f"sampling has unknown key {bad[0]!r} (allowed: {', '.join(SETTING_KEYS)})", f"sampling.{bad[0]}")
 
         try:
             SamplingParams(**sampling)

@@ -1,13 +1,19 @@
-"""Settings shared by every front end (run, chat, serve): model and pool options, engine construction,
-sampling resolution across layers, and chat-template rendering. Below the CLI and the chat layer, so both
-import it without an upward arrow."""
+"""Settings shared by every front end (run, chat, serve): model and pool options, engine construction and
+sampling resolution across layers. Below the CLI and the chat layer, so both import it without an upward
+arrow. (Chat-template rendering is prompts.py.)"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from typing import Optional
 
-from pagedchat.errors import UserError
+from pagedchat.errors import SettingError, UserError
+
+# Variants of one prompt (run -n, /fork N, the server's n). Every variant of a request runs in the same steps,
+# so the engine refuses more than EngineConfig.max_num_seqs (256 by default) of them: TooManyVariants, the
+# one hard limit, for `run -n`. Two front ends stop lower, for their own reasons:
+MAX_FORK_VARIANTS = 16       # the REPL shows the variants side by side or stacked: more cannot be read
+MAX_SERVER_VARIANTS = 128    # the OpenAI API's own bound for `n`: clients written for it never ask more
 
 
 @dataclass
@@ -30,13 +36,15 @@ DEFAULT_KV_RAM = "512MiB"
 
 @dataclass
 class SamplingOptions:
+    """The sampling flags as given (None = not given): exactly SamplingParams' SETTING_KEYS (a test checks;
+    not derived at import time because the CLI starts without importing the engine)."""
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     top_k: Optional[int] = None
     min_p: Optional[float] = None
-    repetition_penalty: Optional[float] = None
     max_tokens: Optional[int] = None
     seed: Optional[int] = None
+    repetition_penalty: Optional[float] = None
     stop: Optional[list[str]] = None
 
     def given(self) -> dict:
@@ -52,15 +60,16 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     dtype = opts.dtype or entry.get("dtype", "auto").value
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
-    config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
-                          kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
-                          kv_allocation=opts.kv_allocation,
-                          kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
-                          kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM)
-    engine = Engine(config, show_progress=show_progress)
-    if entry.table.get("chat_template") and engine.tokenizer is not None:
-        engine.tokenizer.chat_template = _read_template(entry.table["chat_template"], entry)
-    return engine, entry
+    template = _read_template(entry.table["chat_template"], entry) if entry.table.get("chat_template") else None
+    try:
+        config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
+                              kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
+                              kv_allocation=opts.kv_allocation, chat_template=template,
+                              kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
+                              kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM)
+        return Engine(config, show_progress=show_progress), entry
+    except SettingError as e:
+        raise UserError(cli_words(e)) from None
 
 
 def kv_report(pool) -> dict:
@@ -84,43 +93,56 @@ def _read_template(value: str, entry) -> str:
 
 
 def resolve_sampling(entry, cli: SamplingOptions, *layers: dict):
-    """SamplingParams from: CLI flags > given layers (e.g. /set, session) > model entry > [defaults] >
-    generation_config.json. Returns (params, {key: source})."""
-    from pagedchat.engine import SamplingParams
+    """SamplingParams from: CLI flags > given layers (e.g. /set, session, a --file line) > model entry >
+    [defaults] > generation_config.json, by `merge_sampling`'s rule. Returns (params, {key: source})."""
+    model = {k: (s.value, s.source) for k, s in entry.sampling_defaults().items()}
+    return merge_sampling(model, {**cli.given(), "__source__": "command-line flag"}, *layers)
 
-    merged = {k: (s.value, s.source) for k, s in entry.sampling_defaults().items()}
+
+def merge_sampling(model: dict[str, tuple], *layers: dict):
+    """The one sampling rule of every front end (run, chat, serve). `model`: key -> (value, source) from the
+    model's own settings; each layer: key -> value plus "__source__", the first layer that gives a key wins
+    over the later ones and over the model. Stop strings are the exception: the model's stay in force and
+    the winning layer's are added after them (a model's stop strings end its turns, so `--stop`, `/set stop`
+    or a request's `stop` cannot switch them off by accident). Returns (SamplingParams, {key: source})."""
+    from pagedchat.engine.sampling_params import SamplingParams
+
+    merged = dict(model)
     for layer in reversed(layers):
         for key, value in layer.items():
             if value is not None and key != "__source__":
                 merged[key] = (value, layer.get("__source__", "session"))
-    for key, value in cli.given().items():
-        merged[key] = (value, "command-line flag")
     values = {k: v for k, (v, _) in merged.items()}
-    if isinstance(values.get("stop"), str):
-        values["stop"] = [values["stop"]]
-    return SamplingParams(**values), {k: src for k, (_, src) in merged.items()}
+    sources = {k: src for k, (_, src) in merged.items()}
+    if "stop" in merged and merged["stop"] != model.get("stop"):
+        model_stop, model_source = model.get("stop", ([], None))
+        values["stop"] = list(dict.fromkeys(_strings(model_stop) + _strings(values["stop"])))
+        if model_source and _strings(model_stop):
+            sources["stop"] = f"{model_source} + {sources['stop']}"
+    elif "stop" in values:
+        values["stop"] = _strings(values["stop"])
+    return SamplingParams(**values), sources
 
 
-def chat_prompt_ids(engine, user: str, system: str | None, template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of [system?, user] rendered by the model's chat template, ready for the reply."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return render_chat(engine, messages, template_kwargs)
+def _strings(stop) -> list:
+    """A stop setting as a list (one string or a list of them; other values are left for SamplingParams'
+    own check)."""
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else [stop]
 
 
-def render_chat(engine, messages: list[dict], template_kwargs: dict | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
-    tok = engine.tokenizer
-    if tok is None:
-        raise UserError(f"model {engine.loaded.path} has no tokenizer")
-    if not getattr(tok, "chat_template", None):
-        raise UserError(f"model {engine.loaded.path} has no chat template; use --raw or set chat_template "
-                        f"in models.toml")
-    try:
-        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                      **(template_kwargs or {}))
-    except Exception as e:  # jinja errors: a broken template, or one that refuses these messages
-        raise UserError(f"the chat template of {engine.loaded.path} failed: {str(e).splitlines()[0]} "
-                        f"(fix it, or use --raw)") from None
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+# EngineConfig setting -> the flag that sets it (run, chat and serve share them: commands/common.py)
+_FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_memory": "--kv-memory",
+          "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation"}
+
+
+def cli_words(error: Exception) -> str:
+    """An engine error as the command line says it: the engine names its settings, the CLI its flags."""
+    from pagedchat.errors import PoolTooSmall, SettingError
+
+    if isinstance(error, PoolTooSmall):
+        return error.advise("raise --kv-memory")
+    if isinstance(error, SettingError):
+        return error.named(_FLAGS.get(error.setting, error.setting))
+    return str(error)

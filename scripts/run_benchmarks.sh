@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate every number and picture in docs/benchmarks.md: the CPU runs always, the GPU runs when CUDA is
 # present. Each JSON result carries its exact command, date and machine; docs/benchmarks.md is written from
-# them by pagedchat.bench.report (no number in it is typed by hand).
+# them by scripts/bench_report.py (no number in it is typed by hand).
 #
 #   scripts/run_benchmarks.sh            # everything (about 10 minutes on a 2-core CPU)
 #   ONLY=memory scripts/run_benchmarks.sh   # one group: memory | throughput | chat | gpu
@@ -40,6 +40,6 @@ if want gpu && python -c "import sys, torch; sys.exit(0 if torch.cuda.is_availab
     run kernels-gpu -- pagedchat bench kernels --json --plot docs/img/kernels-gpu.png \
         || echo "bench kernels failed; see above" >&2
 fi
-python -m pagedchat.bench.report "$OUT" > docs/benchmarks.md.tmp
+python scripts/bench_report.py "$OUT" > docs/benchmarks.md.tmp
 mv docs/benchmarks.md.tmp docs/benchmarks.md
 echo "wrote docs/benchmarks.md" >&2

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 from pagedchat.bench.memory import TraceParams, run_memory_bench
-from pagedchat.bench.report import goals, load_results, render
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))  # the docs generator is a script
+from bench_report import goals, load_results, render  # noqa: E402
 
 
 def _stamped(result: dict, command: str) -> dict:

@@ -29,7 +29,7 @@ def test_fork_of_pinned_sequence_mid_block(model_dirs, arch):
     prompt = list(range(10, 30))  # 20 tokens + 12 generated = 32, 31 computed: the last block is partial
     rid = engine.add_request(prompt, GREEDY, keep=True)
     run_all(engine)
-    parent = engine.pop_output(rid).outputs[0].handle
+    parent = engine.pop_output(rid).outputs[0].handle.sequence  # white-box: the engine's own sequence
     assert parent.status == SeqStatus.PINNED and parent.num_computed % 8 != 0
     parent_tokens = list(parent.token_ids)
     snapshot = {b: block_kv(engine, b) for b in parent.block_table}

@@ -50,7 +50,7 @@ def fill_with_pins(engine, runner, count: int, length: int) -> list:
     for i in range(count):
         rid = engine.add_request(prompt(7 * i, length), greedy(1), keep=True)
         drain(engine, runner, 100)
-        pins.append(engine.pop_output(rid).outputs[0].handle)
+        pins.append(engine.pop_output(rid).outputs[0].handle.sequence)  # white-box: the engine's sequences
     return pins
 
 
@@ -198,8 +198,9 @@ def test_engine_stream_abort_mid_step_leaves_the_pool_consistent():
         return real_run(batch)
 
     runner.run = interrupted
-    stream = engine.stream(pins[0].token_ids + [4, 5, 6], SamplingParams(temperature=1, seed=1, max_tokens=20,
-                                                                           n=3), keep=True, parent=pins[0])
+    rid = engine.add_request(pins[0].token_ids + [4, 5, 6], SamplingParams(temperature=1, seed=1, max_tokens=20,
+                                                                             n=3), keep=True, parent=pins[0])
+    stream = engine.steps([rid])
     with pytest.raises(KeyboardInterrupt):
         for _ in stream:
             pass

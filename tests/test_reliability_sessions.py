@@ -62,7 +62,7 @@ def pool_is_clean(engine, sessions):
     """Nothing running or queued; every used block belongs to a pinned branch head of these sessions."""
     engine.check_invariants()
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    pins = [h for s in sessions for h in s.handles.values() if h.status.value == "pinned"]
+    pins = [h for s in sessions for h in s.handles.values() if h.is_pinned]
     assert engine.pool.num_used == engine.blocks_held(pins)
     assert len(engine.scheduler.pins) == len(pins)
 

@@ -134,8 +134,8 @@ def compute_ratio(config, history: int, message: int) -> float:
 
 
 def _finish(engine, rid: str):
-    while not engine.requests[rid].finished:
-        engine.step()
+    for _ in engine.steps([rid]):
+        pass
     return engine.pop_output(rid)
 
 
@@ -195,8 +195,7 @@ def _fork_cost(engine, handle, fresh, message_tokens: int, variants: int, repeat
             _sync(device)
             start = time.perf_counter()
             rid = engine.add_request(handle.token_ids + fresh(length), params, parent=handle)
-            while not engine.requests[rid].finished:
-                engine.step()
+            for _ in engine.steps([rid]):
                 steps += 1
                 if steps == 2:
                     _sync(device)

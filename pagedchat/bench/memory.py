@@ -161,16 +161,13 @@ class PagedSim:
         params = SamplingParams(temperature=0, max_tokens=output_len, n=n, ignore_eos=True)
         return self.engine.add_request(prompt, params)
 
-    def step(self) -> bool:
-        """One Engine.step(); False when nothing ran (nothing scheduled, nothing finished)."""
-        events = self.engine.step()
-        self.failed += sum(1 for e in events if e.finish_reason == "error")
-        return bool(events or self.scheduler.running)
-
     def run(self, on_step=None, max_idle: int = 3) -> None:
+        """Drive the engine until the trace is done; a step where nothing ran (nothing scheduled, nothing
+        finished) counts as idle."""
         idle = 0
-        while self.engine.has_unfinished():
-            idle = 0 if self.step() else idle + 1
+        for events in self.engine.steps():
+            self.failed += sum(1 for e in events if e.finish_reason == "error")
+            idle = 0 if events or self.scheduler.running else idle + 1
             if idle > max_idle:
                 raise RuntimeError("the scheduler made no progress (pool too small for the trace?)")
             if on_step is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pagedchat.dtypes import DTYPE_HINT, DTYPES
 from pagedchat.errors import UserError
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -110,11 +111,9 @@ def torch_dtype(name: str, device: str):
 
     if name in (None, "auto"):
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-    try:
-        return getattr(torch, aliases.get(name, name))
-    except AttributeError:
-        raise UserError(f"unknown dtype {name!r}: use auto, float32, bfloat16 or float16") from None
+    if name not in DTYPES:
+        raise UserError(f"unknown dtype {name!r}: {DTYPE_HINT}")
+    return getattr(torch, DTYPES[name])
 
 
 def resolve_device(device: str) -> str:

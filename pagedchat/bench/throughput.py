@@ -79,8 +79,8 @@ def worker_pagedchat(spec: dict, memory) -> dict:
     _sync(spec["device"])
     start = time.perf_counter()
     ids = [engine.add_request(p, params) for p in spec["prompts"]]
-    while engine.has_unfinished():
-        engine.step()
+    for _ in engine.steps():
+        pass
     _sync(spec["device"])
     wall = time.perf_counter() - start
     outs = [engine.pop_output(i) for i in ids]
@@ -110,8 +110,8 @@ def _profile_engine(engine, spec: dict, params) -> dict:
     for p in spec["prompts"]:
         engine.add_request(p, params)
     profiler.enable()
-    while engine.has_unfinished():
-        engine.step()
+    for _ in engine.steps():
+        pass
     profiler.disable()
     stats = pstats.Stats(profiler).stats
     cumulative = {}

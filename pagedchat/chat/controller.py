@@ -1,8 +1,9 @@
 """The chat core with no terminal: sessions resident in one engine, turns, branches, variants, settings.
 
-The REPL, `run --session` and the tests drive this class; it returns nodes and plain data, never prints.
+The REPL, `run --session` and the tests drive this class; it returns nodes and plain data, never prints. It
+reaches the engine only through `self.backend` (chat/backend.py).
 Every turn's prompt is the head's stored token ids plus the new message's rendered suffix, and it is
-submitted with the pinned engine sequence that shares the longest prefix with it as `parent`, so only the
+submitted with the pinned engine Branch that shares the longest prefix with it as `parent`, so only the
 new tokens are prefilled (the prefix cache serves what a dropped pin no longer holds).
 """
 
@@ -13,27 +14,19 @@ import json
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from pagedchat.chat.backend import ChatBackend, ContextFull  # noqa: F401  (ContextFull: raised from here)
 from pagedchat.chat.session import Session, check_name
 from pagedchat.chat.store import SaveError, SessionStore
 from pagedchat.chat.tree import Node
 from pagedchat.chat.turns import Templater
-from pagedchat.settings import SamplingOptions, resolve_sampling
+from pagedchat.settings import MAX_FORK_VARIANTS, SamplingOptions, resolve_sampling
+from pagedchat.engine.sampling_params import SETTING_KEYS, SETTING_TYPES
 from pagedchat.errors import UserError
+from pagedchat.prompts import require_text
 
-SET_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty", "stop")
-_SET_TYPES = {"temperature": float, "top_p": float, "top_k": int, "min_p": float, "max_tokens": int, "seed": int,
-              "repetition_penalty": float, "stop": list}
+SET_KEYS = SETTING_KEYS     # /set takes exactly the sampling settings SamplingParams declares
 FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
-MAX_FORK = 16
-
-
-class ContextFull(UserError):
-    """The branch no longer fits the model's context. The way out differs between the REPL (slash
-    commands, the default advice) and `run --session` (which gives its own)."""
-
-    def __init__(self, what: str, advice: str):
-        super().__init__(f"{what}; {advice}")
-        self.what = what
+MAX_FORK = MAX_FORK_VARIANTS
 
 
 @dataclass
@@ -49,7 +42,8 @@ class TurnResult:
 class ChatController:
     def __init__(self, engine, entry, store: SessionStore | None = None, cli: SamplingOptions | None = None,
                  system: str | None = None):
-        self.engine, self.entry = engine, entry
+        self.engine, self.entry = engine, entry     # the engine is used through self.backend only
+        self.backend = ChatBackend(engine)
         self.store = store or SessionStore()
         self.cli = cli or SamplingOptions()
         self.cli_system = system
@@ -57,7 +51,6 @@ class ChatController:
                                    model=entry.name)
         self.sessions: dict[str, Session] = {}      # resident: all share the engine's pool
         self.current: Session | None = None
-        self.stop_requested = False                 # set by the shell's Ctrl-C handler
         self.last_stats: dict | None = None
 
     @property
@@ -122,7 +115,7 @@ class ChatController:
             session.name = as_name
             self.sessions[as_name] = session
         path = self.store.save(session)
-        self.engine.persist(list(session.handles.values()))
+        self.backend.persist(list(session.handles.values()))
         return path
 
     def autosave(self) -> str | None:
@@ -199,8 +192,7 @@ class ChatController:
     # -- turns ----------------------------------------------------------------------------------------------
     def send(self, text: str, n: int = 1, on_update=None) -> TurnResult:
         """A new user message after the head, answered with n variants."""
-        if not text.strip():
-            raise UserError("the message is empty")
+        require_text(text, "message")
         s = self.session
         head = s.head_node()
         if head is not None and head.role == "user":
@@ -236,8 +228,7 @@ class ChatController:
         if node.role != "user":
             raise UserError(f"#{node_id} is a {node.role} message; /edit changes user messages "
                             f"(/regen for replies, /system for the system prompt)")
-        if not text.strip():
-            raise UserError("the edited message is empty")
+        require_text(text, "edited message")
         path = s.tree.path(node.parent)
         user_ids = self.templater.user_turn_tokens(path, text)
         params, notes = self._params(1)
@@ -283,64 +274,24 @@ class ChatController:
             notes.append(f"temperature is 0, so {what}: sampling at temperature {temperature:g}")
         return params, notes
 
-    def _pin_for(self, prompt: list[int]):
-        """The pinned branch head sharing the longest prefix with this prompt (None if none shares any)."""
-        best, best_len = None, 0
-        for node_id, handle in list(self.session.handles.items()):
-            if getattr(handle.status, "value", None) != "pinned":
-                del self.session.handles[node_id]  # the engine dropped it under memory pressure
-                continue
-            k = _common_prefix(prompt, handle.token_ids)
-            if k > best_len:
-                best, best_len = handle, k
-        return best
-
     def _generate(self, prompt: list[int], params, notes: list[str], on_update):
-        engine = self.engine
-        room = engine.max_model_len - len(prompt)
-        if room < 1:
-            raise ContextFull(f"the context is full: this turn needs {len(prompt)} tokens and the model takes "
-                              f"{engine.max_model_len}", "/clear or /new to start over, /switch to an earlier node")
+        room = self.backend.max_model_len - len(prompt)
         limit = max(room // 2, min(room, 32))  # leave room for more turns in a small context
-        if params.max_tokens > limit:
+        capped = None
+        if room >= 1 and params.max_tokens > limit:   # room < 1: the engine refuses it (ContextFull)
             params = params.with_(max_tokens=limit)
             capped = limit
-        else:
-            capped = None
-        rid = engine.add_request(prompt, params, keep=True, parent=self._pin_for(prompt))
-        texts: dict[int, str] = {}
-        interrupted = False
-        self.stop_requested = False
-        try:
-            while not engine.requests[rid].finished:
-                if self.stop_requested:
-                    interrupted = True
-                    break
-                for event in engine.step():
-                    if event.request_id == rid and event.text:
-                        texts[event.index] = texts.get(event.index, "") + event.text
-                        if on_update is not None:
-                            on_update(event.index, texts[event.index])
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            self.stop_requested = False
-            if not engine.requests[rid].finished:
-                engine.abort(rid)  # frees its blocks at once
-        out = engine.pop_output(rid)
-        if out.error and not interrupted:
-            for variant in out.outputs:  # a variant that did finish is pinned: nothing will ever reach it
-                engine.release(variant.handle)
-            raise UserError(out.error)
-        stats = self._stats(prompt, out, capped, params.n)
-        return out, interrupted, stats
+        parent = self.backend.pin_for(self.session.handles, prompt)
+        done = self.backend.generate(prompt, params, parent, on_update)
+        stats = self._stats(prompt, done.output, capped, params.n)
+        return done.output, done.interrupted, stats
 
     def _stats(self, prompt: list[int], out, capped: int | None, n: int) -> dict:
         completion = sum(len(v.token_ids) for v in out.outputs)
         ttft, total = out.ttft_s, out.total_s
         decode_s = (total - ttft) if total is not None and ttft is not None else None
         decoded = completion - len(out.outputs)
-        pool = self.engine.pool
+        pool = self.backend.pool_stats()
         return {"ttft_s": ttft, "total_s": total,
                 "tokens_per_s": decoded / decode_s if decode_s and decoded > 0 else None,
                 "completion_tokens": completion, "variants": len(out.outputs),
@@ -348,8 +299,8 @@ class ChatController:
                 "prompt_tokens": len(prompt), "prompt_cached": out.prefix_hit_tokens,
                 "prompt_new": len(prompt) - out.prefix_hit_tokens,
                 "context_tokens": len(prompt) + max((len(v.token_ids) for v in out.outputs), default=0),
-                "max_context": self.engine.max_model_len, "capped_max_tokens": capped,
-                "blocks_used": pool.num_used, "num_blocks": pool.num_blocks, "block_size": pool.block_size}
+                "max_context": self.backend.max_model_len, "capped_max_tokens": capped,
+                "blocks_used": pool.used, "num_blocks": pool.num_blocks, "block_size": pool.block_size}
 
     def _finish(self, parent: Node, out, interrupted: bool, stats: dict, notes: list[str], user_node) -> TurnResult:
         s = self.session
@@ -378,7 +329,7 @@ class ChatController:
             result.save_error = str(e)
         # Write the branch heads' full blocks through to the disk tier: reopening this session in another
         # process loads them instead of prefilling the whole history again.
-        self.engine.persist(list(s.handles.values()))
+        self.backend.persist(list(s.handles.values()))
         return result
 
     def _release_covered_pins(self, node_id: int) -> None:
@@ -387,15 +338,14 @@ class ChatController:
         for node in s.tree.path(node_id):
             handle = s.handles.pop(node.id, None)
             if handle is not None:
-                self.engine.release(handle)
+                self.backend.release(handle)
 
     # -- pool ------------------------------------------------------------------------------------------------
     def pool_stats(self) -> dict:
-        st = self.engine.stats()
-        pool = st.pool
-        per_session = {name: {"nodes": len(s.tree), "pinned_heads": sum(1 for h in s.handles.values()
-                                                                          if h.status.value == "pinned"),
-                              "blocks": self.engine.blocks_held(list(s.handles.values()))}
+        st = self.backend.stats()
+        pool = st.pool_stats
+        per_session = {name: {"nodes": len(s.tree), "pinned_heads": sum(1 for h in s.handles.values() if h.is_pinned),
+                              "blocks": self.backend.blocks_held(s.handles.values())}
                        for name, s in self.sessions.items()}
         return {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "used": pool.used, "free": pool.free,
                 "cached": pool.cached, "shared": pool.shared, "peak_used": pool.peak_used,
@@ -411,15 +361,8 @@ def _node_stats(stats: dict) -> dict:
     return {k: stats[k] for k in keys}
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    k, limit = 0, min(len(a), len(b))
-    while k < limit and a[k] == b[k]:
-        k += 1
-    return k
-
-
 def _parse_value(key: str, value: str):
-    kind = _SET_TYPES[key]
+    kind = SETTING_TYPES[key]
     value = value.strip()
     if kind is list:
         if value.lower() == "none":

@@ -11,21 +11,20 @@ import json
 import sys
 
 from pagedchat.chat.app import start
-from pagedchat.chat.controller import ContextFull
-from pagedchat.chat.shell import stop_on_ctrl_c
+from pagedchat.chat.backend import ContextFull, stop_on_ctrl_c
 from pagedchat.settings import ModelOptions, SamplingOptions, kv_report
 from pagedchat.errors import UserError
+from pagedchat.prompts import require_text
 
 
 def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: str, session: str | None,
                    continue_last: bool, system: str | None, num_variants: int, as_json: bool) -> int:
-    if not text or not text.strip():
-        raise UserError("the prompt is empty")
+    require_text(text)
     ctl, created = start(model_opts, sampling, session, continue_last, system, show_progress=not as_json)
     try:
         return _run_turn(ctl, created, text, system, num_variants, as_json)
     finally:
-        ctl.engine.close()  # the session's blocks reach the disk tier: the next `run --session` loads them
+        ctl.backend.close()  # the session's blocks reach the disk tier: the next `run --session` loads them
 
 
 def _run_turn(ctl, created: bool, text: str, system: str | None, num_variants: int, as_json: bool) -> int:
@@ -49,7 +48,7 @@ def _run_turn(ctl, created: bool, text: str, system: str | None, num_variants: i
         raise UserError(f"the head of session {current.name} (#{head.id}) is a message with no reply; answer "
                         f"it in `pagedchat chat --session {current.name}` (/regen)")
     try:
-        with stop_on_ctrl_c(ctl):
+        with stop_on_ctrl_c(ctl.backend):
             result = ctl.send(text, n=num_variants, on_update=write if streaming else None)
     except ContextFull as e:
         raise UserError(f"{e.what}; start a new session (--session NEW), or open this one with "
@@ -78,7 +77,7 @@ def _run_turn(ctl, created: bool, text: str, system: str | None, num_variants: i
 def _report(ctl, result) -> dict:
     """The DESIGN.md `--json` shape, plus where the exchange went in the session."""
     stats = result.stats
-    pool = ctl.engine.pool.stats()
+    pool = ctl.backend.pool_stats()
     decode = stats["tokens_per_s"]
     return {
         "model": ctl.entry.name,

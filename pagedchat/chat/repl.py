@@ -27,12 +27,12 @@ def open_block(text: str) -> bool:
 
 def banner(ctl: ChatController) -> Text:
     s = ctl.session
-    pool = ctl.engine.pool
+    pool = ctl.backend.pool_stats()
     state = (f"{s.num_messages} messages, {len(s.tree.leaves())} branches" if s.tree.nodes else "new")
     text = Text()
     text.append("pagedchat", style="bold")
     text.append(f" · model {ctl.entry.name} · session {s.name} ({state}) · KV pool {pool.num_blocks} blocks × "
-                f"{pool.block_size} tokens · context {ctl.engine.max_model_len}\n", style="dim")
+                f"{pool.block_size} tokens · context {ctl.backend.max_model_len}\n", style="dim")
     text.append("/help lists commands · Enter sends, Esc-Enter adds a line · Ctrl-C stops a reply · Ctrl-D exits",
                 style="dim")
     return text
@@ -139,11 +139,11 @@ def _key_bindings():
 def _toolbar(ctl: ChatController):
     def toolbar():
         try:
-            s, pool = ctl.session, ctl.engine.pool
+            s, pool = ctl.session, ctl.backend.pool_stats()
             head = f"#{s.head}" if s.head is not None else "new branch"
             context = len(s.tree.path_tokens(s.head))
-            return (f" {s.name} · {ctl.entry.name} · head {head} · ctx {context}/{ctl.engine.max_model_len} · "
-                    f"KV {pool.num_used}/{pool.num_blocks} blocks · /help ")
+            return (f" {s.name} · {ctl.entry.name} · head {head} · ctx {context}/{ctl.backend.max_model_len} · "
+                    f"KV {pool.used}/{pool.num_blocks} blocks · /help ")
         except Exception:
             return " pagedchat "
     return toolbar

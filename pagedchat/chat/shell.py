@@ -9,11 +9,8 @@ a ChatUI on a StringIO console; the prompt-toolkit REPL (repl.py) adds input, hi
 from __future__ import annotations
 
 import os
-import signal
-import threading
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pagedchat.chat import render
+from pagedchat.chat.backend import stop_on_ctrl_c
 from pagedchat.chat.controller import MAX_FORK, SET_KEYS, ChatController, TurnResult
 from pagedchat.errors import UserError
 
@@ -114,24 +112,7 @@ class ChatUI:
         self.console.clear()
 
     def interruptible(self, ctl: ChatController):
-        return stop_on_ctrl_c(ctl)
-
-
-@contextmanager
-def stop_on_ctrl_c(ctl: ChatController):
-    """Ctrl-C while a reply streams stops it at the next step (the engine is never cut mid-step)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(signum, frame):
-        ctl.stop_requested = True
-
-    previous = signal.signal(signal.SIGINT, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+        return stop_on_ctrl_c(ctl.backend)
 
 
 @dataclass

@@ -147,13 +147,6 @@ class SessionStore:
         infos, _ = self.list()
         return infos[0].name if infos else None
 
-    def unused_name(self, stem: str) -> str:
-        name, n = stem, 2
-        while self.exists(name):
-            name = f"{stem}-{n}"
-            n += 1
-        return name
-
 
 def history_file() -> Path:
     """The REPL's input history (prompt-toolkit FileHistory), private like the sessions."""

@@ -42,9 +42,12 @@ def chat(
     from pagedchat.chat.app import start
     from pagedchat.chat.repl import run_repl
 
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context,
-                                     kv_disk=kv_disk, kv_ram=kv_ram)
-    sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
+    model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
+                                    kv_memory=kv_memory, max_context=max_context, kv_disk=kv_disk,
+                                    kv_ram=kv_ram)
+    sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                      max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
+                                      stop=stop)
     _check_flags(sampling)
     ctl, created = start(model_opts, sampling, session, continue_last, system)
     console = Console(highlight=False)
@@ -53,7 +56,7 @@ def chat(
     try:
         code = run_repl(ctl, console)
     finally:
-        ctl.engine.close()  # what the pool and RAM tier hold goes to the disk tier for the next process
+        ctl.backend.close()  # what the pool and RAM tier hold goes to the disk tier for the next process
     raise typer.Exit(code)
 
 

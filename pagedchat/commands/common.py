@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import typer
 
+from pagedchat.prompts import chat_prompt_ids, render_chat  # noqa: F401  (re-exported for the commands)
 from pagedchat.settings import (  # noqa: F401  (re-exported for the commands)
     ModelOptions,
     SamplingOptions,
-    chat_prompt_ids,
+    cli_words,
     load_engine,
-    render_chat,
     resolve_sampling,
 )
 

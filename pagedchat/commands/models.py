@@ -69,8 +69,8 @@ def show_model(name: str = typer.Argument(..., help="models.toml name or alias, 
     from rich.table import Table
     from rich.text import Text
 
-    from pagedchat.engine import SamplingParams
-    from pagedchat.registry import SAMPLING_KEYS, Registry
+    from pagedchat.engine.sampling_params import SETTING_KEYS, SamplingParams
+    from pagedchat.registry import Registry
 
     registry = Registry()
     entry = registry.resolve(name)
@@ -88,7 +88,7 @@ def show_model(name: str = typer.Argument(..., help="models.toml name or alias, 
         rows.append((key, value, source))
     resolved = entry.sampling_defaults()
     defaults = SamplingParams()
-    for key in SAMPLING_KEYS:
+    for key in SETTING_KEYS:
         if key in resolved:
             s = resolved[key]
             rows.append((f"sampling.{key}", s.value, _where(registry, entry, f"sampling.{key}", s.source)))

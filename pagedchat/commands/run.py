@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +14,7 @@ import typer
 from pagedchat.commands import common
 from pagedchat.settings import kv_report
 from pagedchat.errors import UserError
+from pagedchat.prompts import require_text
 
 
 def register(app: typer.Typer) -> None:
@@ -45,9 +47,12 @@ def run(
     kv_disk: Optional[str] = common.KV_DISK,
     kv_ram: Optional[str] = common.KV_RAM,
 ) -> None:
-    model_opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context,
-                                     kv_disk=kv_disk, kv_ram=kv_ram)
-    sampling = common.SamplingOptions(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, seed, stop)
+    model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
+                                    kv_memory=kv_memory, max_context=max_context, kv_disk=kv_disk,
+                                    kv_ram=kv_ram)
+    sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                      max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
+                                      stop=stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")
     if file is not None and prompt is not None:
@@ -95,9 +100,7 @@ def _read_stdin() -> str:
         text = sys.stdin.read()
     except UnicodeDecodeError as e:
         raise UserError(f"the prompt on stdin is not valid UTF-8 text (byte {e.start})") from None
-    if not text.strip():
-        raise UserError("the prompt on stdin is empty")
-    return text.rstrip("\n")
+    return require_text(text, "prompt on stdin").rstrip("\n")
 
 
 def _read_batch(path: Path) -> list[dict]:
@@ -143,18 +146,14 @@ def _generate(engine, model_name: str, requests: list, as_json: bool, batch: boo
     ids, refused = _add_all(engine, requests, batch)
     stream = not as_json and not batch and requests[0][1].n == 1
     first_token_at = None
-    try:
-        while any(not engine.requests[r].finished for r in ids if r is not None):
-            for event in engine.step():
-                first_token_at = first_token_at or time.perf_counter()
+    # Ctrl-C leaves the `with`: closing the driver aborts every request (their blocks freed) and re-raises
+    with closing(engine.steps([r for r in ids if r is not None])) as steps:
+        for events in steps:
+            first_token_at = first_token_at or (time.perf_counter() if events else None)
+            for event in events:
                 if stream and event.text:
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
-    except KeyboardInterrupt:
-        for r in ids:
-            if r is not None:
-                engine.abort(r)
-        raise
     total = time.perf_counter() - start
     outputs = [engine.pop_output(r) if r is not None else refused[i] for i, r in enumerate(ids)]
     if as_json:
@@ -181,10 +180,11 @@ def _add_all(engine, requests: list, batch: bool) -> tuple[list, dict]:
             ids.append(engine.add_request(prompt_ids, params))
         except RequestError as e:
             if not batch:
-                raise
+                raise UserError(common.cli_words(e)) from None
             ids.append(None)
-            outputs = [CompletionOutput(k, [], "", "error", None, str(e)) for k in range(params.n)]
-            refused[i] = RequestOutput(f"refused-{i}", list(prompt_ids), outputs, True, 0, None, None, str(e))
+            message = common.cli_words(e)
+            outputs = [CompletionOutput(k, [], "", "error", None, message) for k in range(params.n)]
+            refused[i] = RequestOutput(f"refused-{i}", list(prompt_ids), outputs, True, 0, None, None, message)
     return ids, refused
 
 
@@ -208,7 +208,7 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
     completion = sum(len(v.token_ids) for o in outputs for v in o.outputs)
     ttft = (first_token_at - start) if first_token_at else None
     decode_time = total - (ttft or 0)
-    pool = engine.pool.stats()
+    pool = engine.pool_stats()
     report = {"model": model_name}
     if batch:
         report["results"] = [result(o) for o in outputs]

@@ -38,6 +38,7 @@ def serve(
 ) -> None:
     from pagedchat.serve.server import run_server
 
-    opts = common.ModelOptions(model, device, dtype, block_size, kv_memory, max_context, kv_allocation,
+    opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size, kv_memory=kv_memory,
+                               max_context=max_context, kv_allocation=kv_allocation,
                                kv_disk=kv_disk, kv_ram=kv_ram)
     run_server(opts, host, port, api_key, served_model_name, verbose)

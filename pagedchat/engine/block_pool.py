@@ -45,6 +45,10 @@ class PoolStats:
     disk_hit_tokens: int = 0  # of prefix_hit_tokens: loaded back from the disk tier
 
     @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
     def prefix_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pagedchat.errors import UserError
+from pagedchat.dtypes import DTYPE_CHOICES, DTYPE_HINT
+from pagedchat.errors import SettingError, UserError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
@@ -31,7 +32,7 @@ def _parse_percent(text: str) -> float:
     except ValueError:
         value = -1.0
     if not 0 < value <= 1:
-        raise UserError(f"invalid --kv-memory {text!r}: a percentage must be in (0%, 100%]")
+        raise SettingError("kv_memory", f"invalid {{name}} {text!r}: a percentage must be in (0%, 100%]")
     return value
 
 
@@ -52,6 +53,7 @@ class EngineConfig:
     kv_allocation: str = "paged"    # paged | reserved: the peer a contiguous cache stands for (bench serve)
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
+    chat_template: str | None = None  # replaces the folder's template (models.toml chat_template), set at load
     # Tiers below the pool (0 = off; the library default, so tests and benchmarks keep no state; the CLI
     # turns both on): evicted blocks go to host RAM, then to disk, where other processes find them too.
     kv_ram: int | str = 0           # bytes or '512MiB'
@@ -66,17 +68,17 @@ class EngineConfig:
         self.kv_ram = parse_size(self.kv_ram, allow_zero=True)
         self.kv_disk = parse_size(self.kv_disk, allow_zero=True)
         if not 8 <= self.block_size <= 128 or self.block_size & (self.block_size - 1):
-            raise UserError(f"--block-size must be a power of two from 8 to 128, got {self.block_size}")
+            raise SettingError("block_size", f"{{name}} must be a power of two from 8 to 128, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise UserError(f"--max-context must be a positive number of tokens, got {self.max_model_len}")
+            raise SettingError("max_model_len", f"{{name}} must be a positive number of tokens, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise UserError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.kv_fraction is not None and not 0 < self.kv_fraction <= 1:
             raise UserError(f"kv fraction must be in (0, 1], got {self.kv_fraction}")
         if self.kv_allocation not in ("paged", "reserved"):
-            raise UserError(f"--kv-allocation must be paged or reserved, got {self.kv_allocation!r}")
+            raise SettingError("kv_allocation", f"{{name}} must be paged or reserved, got {self.kv_allocation!r}")
         if self.kv_allocation == "reserved":
             # A contiguous per-request region cannot hold another request's blocks: no prefix sharing.
             self.enable_prefix_cache = False
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
-            raise UserError(f"unknown dtype {self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.dtype not in DTYPE_CHOICES:
+            raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")

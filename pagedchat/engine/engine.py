@@ -1,100 +1,57 @@
-"""The engine API shared by `run`, the chat REPL and the server.
+"""The engine API shared by `run`, the chat REPL and the server: the only door into the engine floor.
 
     engine = Engine(EngineConfig(model="path/to/hf-folder"))
-    rid = engine.add_request("Hello", SamplingParams(temperature=0), keep=True)
-    while engine.has_unfinished():
-        for event in engine.step(): ...          # TokenEvent: new token ids and text per variant
-    out = engine.pop_output(rid)                 # RequestOutput with every variant
-    engine.add_request(out.outputs[0].token_ids_all + more, params, parent=out.outputs[0].handle)
+    rid = engine.add_request(ids, SamplingParams(temperature=0), keep=True)   # raises the typed fit errors
+    with closing(engine.steps([rid])) as steps:      # THE step loop: one list of TokenEvents per step;
+        for events in steps: ...                     # closing it early aborts what is unfinished
+    out = engine.pop_output(rid)                     # RequestOutput with every variant
+    branch = out.outputs[0].handle                   # a pinned Branch (keep=True)
+    engine.add_request(branch.token_ids + more, params, keep=True, parent=branch)   # prefills only `more`
+    engine.release(branch)                           # the branch is no longer needed
 
-Not thread-safe: one thread drives it (the server wraps it in a loop thread).
+Front ends use only what is public here: add_request / fork / abort / is_finished / get_output / pop_output /
+release, steps (or generate), check_prompt, stats / pool_stats / capacity_tokens / blocks_held, and the
+tokenizer, eos_token_ids, max_model_len and model_path attributes. The pool, scheduler, requests and runner
+are the engine's own. Not thread-safe: one thread drives it (the server wraps it in a loop thread).
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from contextlib import closing
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
-from pagedchat.engine.detokenizer import decode_new_text
 from pagedchat.engine.kv_tiers import KVTiers, build_tiers
+from pagedchat.engine.output_processor import OutputProcessor
+from pagedchat.engine.outputs import Branch, CompletionOutput, EngineStats, RequestOutput, TokenEvent
 from pagedchat.engine.runner import ModelRunner
 from pagedchat.engine.sampler import Sampler, variant_generator
 from pagedchat.engine.sampling_params import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
+from pagedchat.engine.seams import ModelSource, StepRunner
 from pagedchat.engine.sequence import Request, Sequence, SeqStatus
-from pagedchat.errors import RequestError
-from pagedchat.model.loader import LoadedModel, load_model
+from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants
+from pagedchat.model.loader import load_model
 
-
-@dataclass
-class TokenEvent:
-    request_id: str
-    index: int                 # variant
-    token_ids: list[int]       # new this step
-    text: str                  # new text this step (held back while it could still become a stop string)
-    finish_reason: str | None = None   # stop | length | abort | error
-    error: str | None = None
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    handle: Sequence | None = None     # pinned sequence (keep=True): pass as `parent` to continue from it
-    error: str | None = None
-
-    @property
-    def token_ids_all(self) -> list[int]:
-        """Prompt + output: the exact tokens a follow-up turn continues from."""
-        return list(self.handle.token_ids) if self.handle is not None else []
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    prefix_hit_tokens: int                 # prompt tokens whose KV was reused (any tier)
-    ttft_s: float | None
-    total_s: float | None
-    error: str | None = None
-    ram_hit_tokens: int = 0                # of prefix_hit_tokens: loaded from the host-RAM tier
-    disk_hit_tokens: int = 0               # of prefix_hit_tokens: loaded from the disk tier
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-
-@dataclass
-class EngineStats:
-    pool: PoolStats
-    running: int
-    waiting: int
-    pinned: int
-    pinned_blocks: int
-    preemptions: int
-    extra: dict = field(default_factory=dict)
+__all__ = ["Branch", "CompletionOutput", "Engine", "EngineStats", "RequestOutput", "TokenEvent"]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, show_progress: bool = True,
-                 runner=None, tiers: KVTiers | None = None):
-        """`runner` replaces the model runner (property tests and memory benchmarks drive the real
-        scheduling without a model); it needs `num_blocks` and `run(batch) -> (logits, sequences)`.
-        `tiers` replaces the RAM/disk tiers the config asks for (tests give a fake runner its own)."""
+    def __init__(self, config: EngineConfig, loaded: ModelSource | None = None, show_progress: bool = True,
+                 runner: StepRunner | None = None, tiers: KVTiers | None = None):
+        """`loaded` and `runner` replace the loaded model and the model runner (property tests and the
+        memory benchmarks drive the real scheduling without a model): see engine/seams.py. `tiers` replaces
+        the RAM/disk tiers the config asks for (tests give a fake runner its own)."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.device, config.dtype, config.max_model_len,
-                                           trust_remote_code=config.trust_remote_code, show_progress=show_progress)
+                                           trust_remote_code=config.trust_remote_code, show_progress=show_progress,
+                                           chat_template=config.chat_template)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = set(self.loaded.eos_token_ids)
         self.max_model_len = self.loaded.max_model_len
@@ -107,12 +64,18 @@ class Engine:
                                    reserve_upfront=config.kv_allocation == "reserved",
                                    max_model_len=self.max_model_len, tiers=self.tiers)
         self.sampler = Sampler()
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
     @property
     def device(self) -> torch.device:
         return self.loaded.device
+
+    @property
+    def model_path(self):
+        """The model folder (for messages)."""
+        return self.loaded.path
 
     def _build_tiers(self) -> KVTiers | None:
         config = self.config
@@ -131,13 +94,13 @@ class Engine:
                            config.kv_disk, root, meta)
 
     # -- KV that outlives the process -----------------------------------------------------------------------
-    def persist(self, handles: list[Sequence | None]) -> None:
+    def persist(self, handles: Iterable[Branch | Sequence | None]) -> None:
         """Write the full blocks of these pinned branch heads through to the disk tier (a session save), so
         another process reopening the session loads them instead of prefilling."""
         if self.tiers is None:
             return
         bs, blocks = self.pool.block_size, []
-        for h in handles:
+        for h in map(_sequence, handles):
             if h is not None and h.status == SeqStatus.PINNED:
                 blocks += [(b, key, tuple(h.token_ids[i * bs:(i + 1) * bs]))
                            for i, (b, key) in enumerate(zip(h.block_table, h.block_hashes))]
@@ -155,58 +118,54 @@ class Engine:
         return list(self.tokenizer(text).input_ids)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, keep: bool = False, parent: Sequence | None = None) -> str:
-        """Queue a prompt (text is encoded raw, no template). keep=True pins each finished variant's blocks;
-        parent= a pinned sequence whose tokens prefix this prompt: its KV is reused by forking it."""
+                    request_id: str | None = None, keep: bool = False, parent: Branch | None = None) -> str:
+        """Queue a prompt (text is encoded raw, no template) after `check_prompt`. keep=True pins each
+        finished variant's blocks (its output's `handle`); parent= a Branch whose tokens prefix this prompt:
+        its KV is reused by forking it (ignored once the engine dropped its pin)."""
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_fits(ids, params)
+        self.check_prompt(ids, params.n)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         request = Request(request_id, ids, params, keep=keep)
         seq = Sequence(request, 0, ids)
         seq.generator = variant_generator(params.seed, 0, self.device)
-        seq.parent = parent if parent is not None and parent.status == SeqStatus.PINNED else None
+        pinned = _sequence(parent)
+        seq.parent = pinned if pinned is not None and pinned.status == SeqStatus.PINNED else None
         request.sequences.append(seq)
         request.forked = params.n == 1
         self.requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
 
-    def _check_fits(self, ids: list[int], params: SamplingParams) -> None:
+    def check_prompt(self, ids: list[int], n: int = 1) -> None:
+        """Every check that a prompt can be served, in one place; raises EmptyPrompt, TooManyVariants,
+        ContextTooLong, PoolTooSmall (typed, with the numbers, for each front end to word) or RequestError
+        (token ids outside the vocabulary)."""
         if not ids:
-            raise RequestError("the prompt is empty")
-        if params.n > self.scheduler.max_num_seqs:
+            raise EmptyPrompt()
+        if n > self.scheduler.max_num_seqs:
             # variants all run at once: more than a step's sequences would only thrash the scheduler
-            raise RequestError(f"{params.n} variants is more than the {self.scheduler.max_num_seqs} sequences the "
-                               f"engine runs at once")
+            raise TooManyVariants(n, self.scheduler.max_num_seqs)
         if len(ids) >= self.max_model_len:
-            raise RequestError(f"prompt is {len(ids)} tokens but the model's context is {self.max_model_len} "
-                               f"tokens (at least one must be left to generate)")
-        needed = self.scheduler.blocks_for(len(ids) + 1)
-        if needed > self.pool.num_blocks:
-            capacity = self.pool.num_blocks * self.pool.block_size
-            raise RequestError(f"prompt is {len(ids)} tokens but the whole KV pool holds {capacity} tokens "
-                               f"({self.pool.num_blocks} blocks); raise --kv-memory")
+            raise ContextTooLong(len(ids), self.max_model_len)
+        if self.scheduler.blocks_for(len(ids) + 1) > self.pool.num_blocks:
+            raise PoolTooSmall(len(ids), self.capacity_tokens, self.pool.num_blocks)
         vocab = self.loaded.spec.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise RequestError(f"token ids must be in [0, {vocab})")
 
-    def fork(self, handle: Sequence, params: SamplingParams | None = None, keep: bool = False,
+    def fork(self, source: Branch | Sequence, params: SamplingParams | None = None, keep: bool = False,
              request_id: str | None = None) -> str:
         """A new request continuing a running or pinned sequence from its current tokens. The child shares
         every block; the first write into the shared partial block copies that one block."""
+        handle = _sequence(source)
         assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
         params = (params or handle.request.params).with_(n=1)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
-        child = Sequence(request, 0, handle.token_ids)
-        child.block_table = self.pool.fork_table(handle.block_table)
-        child.block_hashes = list(handle.block_hashes)
-        child.num_computed = handle.num_computed
-        child.generator = variant_generator(params.seed, 0, self.device)
-        request.sequences.append(child)
+        child = self._fork_sequence(handle, request, 0)
         request.prefix_hit_tokens = child.num_computed
         self.requests[request_id] = request
         if handle.status == SeqStatus.PINNED:
@@ -215,7 +174,7 @@ class Engine:
         return request_id
 
     def abort(self, request_id: str) -> None:
-        """Stop a request now and free its blocks (pinned variants included)."""
+        """Stop a request now and free its blocks (variants already pinned stay pinned: release them)."""
         request = self.requests.get(request_id)
         if request is None:
             return
@@ -228,16 +187,56 @@ class Engine:
         request.forked = True
         request.finish_time = request.finish_time or time.perf_counter()
 
-    def release(self, handle: Sequence | None) -> None:
+    def is_finished(self, request_id: str) -> bool:
+        """True once every variant ended (stop, length, abort, error); also for an id already popped."""
+        request = self.requests.get(request_id)
+        return request is None or request.finished
+
+    def release(self, handle: Branch | Sequence | None) -> None:
         """Drop a pin (a conversation branch head that is no longer needed)."""
-        if handle is not None:
-            self.scheduler.evict_pin(handle)
+        seq = _sequence(handle)
+        if seq is not None:
+            self.scheduler.evict_pin(seq)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    # -- the step -------------------------------------------------------------------------------------------
+    # -- driving it -----------------------------------------------------------------------------------------
+    def steps(self, request_ids: Iterable[str] | None = None) -> Iterator[list[TokenEvent]]:
+        """THE step loop (run, the chat turn, the server loop and `generate` all drive the engine with it).
+
+        Steps while any of `request_ids` is unfinished (None: while the engine has any work) and yields each
+        step's TokenEvents, only those of `request_ids` when given (a list, possibly empty: a prefill chunk
+        makes no token). Between two yields the caller may add, abort and pop requests. Closing the
+        generator before the end (break + close, Ctrl-C, an error, a client gone) aborts the requests still
+        unfinished, `request_ids` or every one, and frees their blocks: use `with closing(engine.steps(..))`.
+        """
+        ids = None if request_ids is None else list(request_ids)
+        wanted = None if ids is None else set(ids)
+        ended = False
+        try:
+            while self.has_unfinished() and (ids is None or not all(self.is_finished(r) for r in ids)):
+                events = self.step()
+                yield events if wanted is None else [e for e in events if e.request_id in wanted]
+            ended = True
+        finally:
+            if not ended:
+                for rid in list(self.requests) if ids is None else ids:
+                    if not self.is_finished(rid):
+                        self.abort(rid)
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 keep: bool = False) -> list[RequestOutput]:
+        """Run prompts together to completion (continuous batching); results in input order."""
+        param_list = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp, keep=keep) for p, sp in zip(prompts, param_list)]
+        with closing(self.steps(ids)) as steps:
+            for _ in steps:
+                pass
+        return [self.pop_output(i) for i in ids]
+
     def step(self) -> list[TokenEvent]:
+        """One scheduled batch through the model; its token events. Callers drive it through `steps`."""
         batch = self.scheduler.schedule()
         events = [self._fail(seq) for seq in batch.failed]
         if not batch:
@@ -253,6 +252,16 @@ class Engine:
             events.append(self._append_token(seq, token, now))
         return events
 
+    def _fork_sequence(self, parent: Sequence, request: Request, index: int) -> Sequence:
+        """A child sharing every block of parent (refcount + 1 each); its own sampling stream."""
+        child = Sequence(request, index, parent.token_ids)
+        child.block_table = self.pool.fork_table(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed = parent.num_computed
+        child.generator = variant_generator(request.params.seed, index, self.device)
+        request.sequences.append(child)
+        return child
+
     def _fork_variants(self, logits: torch.Tensor, samplers: list[Sequence]):
         """After a prompt's prefill, its n variants become forks sharing every block of it."""
         rows, seqs = [], []
@@ -263,12 +272,7 @@ class Engine:
             if request.forked:
                 continue
             for index in range(1, request.params.n):
-                child = Sequence(request, index, seq.token_ids)
-                child.block_table = self.pool.fork_table(seq.block_table)
-                child.block_hashes = list(seq.block_hashes)
-                child.num_computed = seq.num_computed
-                child.generator = variant_generator(request.params.seed, index, self.device)
-                request.sequences.append(child)
+                child = self._fork_sequence(seq, request, index)
                 self.scheduler.add_running(child)
                 rows.append(row)
                 seqs.append(child)
@@ -278,39 +282,16 @@ class Engine:
         return logits, seqs
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> TokenEvent:
-        request, params = seq.request, seq.request.params
+        request = seq.request
         request.first_token_time = request.first_token_time or now
-        seq.token_ids.append(token)
-        shown = len(seq.text)
-        decode_new_text(self.tokenizer, seq)
-        reason = None
-        if not params.ignore_eos and token in self.eos_token_ids or token in params.stop_token_ids:
-            reason = "stop"
-        elif self._cut_at_stop_string(seq, shown):
-            reason = "stop"
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            reason = "length"
+        reason = self.output.append(seq, token)
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq, keep=request.keep)
             if request.finished:
                 request.finish_time = now
-        # Hold back text that could still turn out to be the start of a stop string.
-        held = 0 if reason or not params.stop else max(len(s) for s in params.stop) - 1
-        visible = max(seq.emitted, len(seq.text) - held)
-        text, seq.emitted = seq.text[seq.emitted:visible], visible
+        text = self.output.take_visible(seq, finished=reason is not None)
         return TokenEvent(request.request_id, seq.index, [token], text, reason)
-
-    def _cut_at_stop_string(self, seq: Sequence, shown: int) -> bool:
-        stops = seq.request.params.stop
-        if not stops:
-            return False
-        window_start = max(0, shown - max(len(s) for s in stops))
-        cut = min((i for i in (seq.text.find(s, window_start) for s in stops) if i >= 0), default=-1)
-        if cut < 0:
-            return False
-        seq.text = seq.text[:cut]
-        return True
 
     def _fail(self, seq: Sequence) -> TokenEvent:
         """One sequence that cannot fit even alone in the pool (the scheduler already freed it) fails alone:
@@ -331,7 +312,7 @@ class Engine:
     def get_output(self, request_id: str) -> RequestOutput:
         r = self.requests[request_id]
         outputs = [CompletionOutput(s.index, s.output_ids, s.text, s.finish_reason,
-                                    s if s.status == SeqStatus.PINNED else None, s.error)
+                                    Branch(s) if s.status == SeqStatus.PINNED else None, s.error)
                    for s in sorted(r.sequences, key=lambda s: s.index)]
         ttft = r.first_token_time - r.arrival_time if r.first_token_time else None
         total = r.finish_time - r.arrival_time if r.finish_time else None
@@ -339,44 +320,35 @@ class Engine:
                              ttft, total, r.error, r.ram_hit_tokens, r.disk_hit_tokens)
 
     def pop_output(self, request_id: str) -> RequestOutput:
+        """The output; a finished request is forgotten (its id can be reused)."""
         out = self.get_output(request_id)
         if out.finished:
             del self.requests[request_id]
         return out
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 keep: bool = False) -> list[RequestOutput]:
-        """Run prompts together to completion (continuous batching); results in input order."""
-        param_list = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [self.add_request(p, sp, keep=keep) for p, sp in zip(prompts, param_list)]
-        while any(not self.requests[i].finished for i in ids):
-            self.step()
-        return [self.pop_output(i) for i in ids]
+    # -- capacity and stats ---------------------------------------------------------------------------------
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole KV pool holds."""
+        return self.pool.num_blocks * self.pool.block_size
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, keep: bool = False,
-               parent: Sequence | None = None):
-        """Yield this request's TokenEvents as they come; the final RequestOutput is the generator's return
-        value. Closing the generator early (Ctrl-C, a client gone) aborts the request and frees its blocks."""
-        rid = self.add_request(prompt, params, keep=keep, parent=parent)
-        try:
-            while not self.requests[rid].finished:
-                for event in self.step():
-                    if event.request_id == rid:
-                        yield event
-        finally:
-            if not self.requests[rid].finished:
-                self.abort(rid)
-        return self.pop_output(rid)
+    def pool_stats(self) -> PoolStats:
+        return self.pool.stats()
 
-    # -- stats ----------------------------------------------------------------------------------------------
     def stats(self) -> EngineStats:
-        pins = list(self.scheduler.pins.values())
+        pins = [Branch(s) for s in self.scheduler.pins.values()]
         return EngineStats(self.pool.stats(), len(self.scheduler.running), len(self.scheduler.waiting), len(pins),
                            self.blocks_held(pins), self.scheduler.num_preemptions)
 
-    def blocks_held(self, handles: list[Sequence]) -> int:
-        """Distinct blocks held by these pinned sequences (what a session costs the pool)."""
-        return len({b for h in handles if h is not None and h.status == SeqStatus.PINNED for b in h.block_table})
+    def blocks_held(self, handles: Iterable[Branch | Sequence | None]) -> int:
+        """Distinct blocks held by these pinned branches (what a session costs the pool)."""
+        seqs = [_sequence(h) for h in handles]
+        return len({b for s in seqs if s is not None and s.status == SeqStatus.PINNED for b in s.block_table})
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.scheduler.all_tables())
+
+
+def _sequence(handle: Branch | Sequence | None) -> Sequence | None:
+    """Engine code and white-box tests hold Sequences; front ends hold Branches."""
+    return handle.sequence if isinstance(handle, Branch) else handle

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -10,11 +11,12 @@ from pagedchat import kernels
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.scheduler import ScheduledBatch
 from pagedchat.engine.sequence import Sequence
-from pagedchat.errors import UserError
+from pagedchat.errors import SettingError
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.model.loader import LoadedModel
 
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+log = logging.getLogger("pagedchat.engine")   # with no logging set up, warnings still reach stderr
 
 
 def _available_ram() -> int:
@@ -55,8 +57,8 @@ class ModelRunner:
                 int(_available_ram() * config.kv_fraction)
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
-            raise UserError(f"--kv-memory {budget} bytes holds no KV block: one block of {self.block_size} "
-                            f"tokens needs {self.bytes_per_block} bytes")
+            raise SettingError("kv_memory", f"{{name}} {budget} bytes holds no KV block: one block of "
+                                            f"{self.block_size} tokens needs {self.bytes_per_block} bytes")
         return int(num_blocks)
 
     def _free_memory_budget(self, config: EngineConfig) -> int:
@@ -191,10 +193,7 @@ class DecodeGraphs:
         try:
             graphs._capture_all()
         except Exception as e:  # a model or kernel that cannot be captured still runs, just eagerly
-            import sys
-
-            print(f"pagedchat: CUDA graph capture failed ({type(e).__name__}: {e}); decoding eagerly",
-                  file=sys.stderr)
+            log.warning("pagedchat: CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
             return None
         return graphs
 

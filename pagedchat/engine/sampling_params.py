@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 from pagedchat.errors import UserError
 
 
+def _setting(default=None, kind: type = float, **kw):
+    """A field users set by name (CLI flag, /set, models.toml [sampling], a session, the server)."""
+    if "default_factory" not in kw:
+        kw["default"] = default
+    return field(metadata={"setting": kind}, **kw)
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0        # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = 0                  # 0 = off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    max_tokens: int = 256
-    seed: int | None = None         # per request; variant i uses an independent stream derived from it
-    stop: list[str] = field(default_factory=list)
+    temperature: float = _setting(1.0)          # 0 = greedy
+    top_p: float = _setting(1.0)
+    top_k: int = _setting(0, int)               # 0 = off
+    min_p: float = _setting(0.0)
+    max_tokens: int = _setting(256, int)
+    seed: int | None = _setting(None, int)      # per request; variant i uses an independent stream derived from it
+    repetition_penalty: float = _setting(1.0)
+    stop: list[str] = _setting(kind=list, default_factory=list)
+    # set by the program, not by name: token ids that end a reply, the server's ignore_eos, variants
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1                      # variants: the prompt is prefilled once, the n children are forks
@@ -66,6 +74,11 @@ class SamplingParams:
 
     def with_(self, **changes) -> "SamplingParams":
         return replace(self, **changes)
+
+
+# The sampling settings users set by name, and the type each takes: every front end derives its keys from here.
+SETTING_TYPES: dict[str, type] = {f.name: f.metadata["setting"] for f in fields(SamplingParams) if "setting" in f.metadata}
+SETTING_KEYS: tuple[str, ...] = tuple(SETTING_TYPES)
 
 
 def _is_number(value, kind: type) -> bool:

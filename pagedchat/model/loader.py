@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 
-from pagedchat.errors import ModelLoadError
+from pagedchat.dtypes import DTYPES
+from pagedchat.errors import ModelLoadError, SettingError
 from pagedchat.model.layers import RotaryEmbedding
 from pagedchat.model.llama import SUPPORTED_ARCHITECTURES, ArchSpec, LlamaFamilyModel
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
@@ -34,7 +33,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ModelLoadError(f"--device {device} was asked for but no CUDA device is available")
+        raise SettingError("device", f"{{name}} {device} was asked for but no CUDA device is available")
     if device != "cpu" and not device.startswith("cuda"):
         raise ModelLoadError(f"unknown device {device!r}: use cpu, cuda or auto")
     return torch.device(device)
@@ -43,7 +42,7 @@ def resolve_device(device: str) -> torch.device:
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[dtype]
+    return getattr(torch, DTYPES[dtype])
 
 
 def find_model_dir(source: str, revision: str | None = None) -> Path:
@@ -110,7 +109,8 @@ def load_config(model_dir: Path, trust_remote_code: bool = False):
     return config
 
 
-def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The folder's tokenizer (None when it has none); chat_template replaces the folder's template."""
     from transformers import AutoTokenizer
 
     has_files = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
@@ -118,9 +118,12 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False):
     if not has_files:
         return None
     try:
-        return AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:
         raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}") from None
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def eos_ids(model_dir: Path, config, tokenizer) -> list[int]:
@@ -226,11 +229,11 @@ class _progress:
 
 def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None,
                revision: str | None = None, trust_remote_code: bool = False,
-               show_progress: bool = True) -> LoadedModel:
+               show_progress: bool = True, chat_template: str | None = None) -> LoadedModel:
     model_dir = find_model_dir(source, revision)
     files = weight_files(model_dir)
     config = load_config(model_dir, trust_remote_code)
-    tokenizer = load_tokenizer(model_dir, trust_remote_code)
+    tokenizer = load_tokenizer(model_dir, trust_remote_code, chat_template)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     spec = ArchSpec.from_hf(config)

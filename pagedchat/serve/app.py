@@ -20,13 +20,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedchat.engine import SamplingParams
-from pagedchat.errors import UserError
+from pagedchat.engine.sampling_params import SETTING_KEYS
+from pagedchat.errors import ContextTooLong, PoolTooSmall, UserError
 from pagedchat.serve.async_engine import AsyncEngine, Done, GroupFailed, RequestGroup, Token
 from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_messages,
                                       check_extra_fields, completion_prompts, error_payload, stop_strings,
                                       validation_error)
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
+# request fields read by their setting name (max_tokens and stop arrive in OpenAI's own shapes)
+SAMPLING_FIELDS = tuple(k for k in SETTING_KEYS if k not in ("max_tokens", "stop"))
 
 
 @dataclass
@@ -90,11 +92,11 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
     @app.get("/stats", dependencies=[Depends(require_key)], include_in_schema=False)
     async def stats():
         engine_stats, counters = await aengine.call(lambda engine: (engine.stats(), asdict(aengine.counters)))
-        pool = engine_stats.pool
+        pool = engine_stats.pool_stats
         return {
             "model": settings.model_name,
             "pool": {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
-                     "capacity_tokens": pool.num_blocks * pool.block_size, "used": pool.used, "free": pool.free,
+                     "capacity_tokens": pool.capacity_tokens, "used": pool.used, "free": pool.free,
                      "cached": pool.cached, "shared": pool.shared, "peak_used": pool.peak_used,
                      "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,
                      "prefix_hit_rate": round(pool.prefix_hit_rate, 4), "cow_copies": pool.cow_copies,
@@ -115,9 +117,9 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, settings)
 
         def prompt_ids(engine) -> list[int]:
-            from pagedchat.settings import render_chat
+            from pagedchat.prompts import render_chat
 
-            return _checked(engine, render_chat(engine, messages, settings.template_kwargs), "messages")
+            return render_chat(engine, messages, settings.template_kwargs)
 
         group = await _submit(aengine, [prompt_ids], params, "messages")
         reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True)
@@ -135,8 +137,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
 
         def raw_ids(prompt):
             def build(engine) -> list[int]:
-                ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                return _checked(engine, ids, "prompt")
+                return engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
             return build
 
         group = await _submit(aengine, [raw_ids(p) for p in completion_prompts(body)], params, "prompt")
@@ -154,34 +155,32 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
 
 # -- request -> engine ------------------------------------------------------------------------------------------
 def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> SamplingParams:
-    """Request fields over the model's defaults (models.toml, generation_config.json). The model's own stop
-    strings stay in force; the request's are added to them."""
-    values = {k: v for k, v in settings.sampling_defaults.items() if k != "stop"}
-    values.update({k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None})
-    if values.get("top_k") == -1:
-        values["top_k"] = 0
-    if max_tokens is not None:
-        values["max_tokens"] = max_tokens
-    stops = stop_strings(settings.sampling_defaults.get("stop")) + stop_strings(body.stop)
+    """Request fields over the model's defaults (models.toml, generation_config.json), by the CLI's rule
+    (settings.merge_sampling): the model's own stop strings stay in force, the request's are added."""
+    from pagedchat.settings import merge_sampling
+
+    request = {k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None}
+    if request.get("top_k") == -1:
+        request["top_k"] = 0
+    request["max_tokens"] = max_tokens
+    request["stop"] = stop_strings(body.stop) or None
+    model = {k: (v, "model") for k, v in settings.sampling_defaults.items()}
     try:
-        return SamplingParams(**values, stop=list(dict.fromkeys(stops)), n=body.n, ignore_eos=body.ignore_eos)
+        params, _ = merge_sampling(model, {**request, "__source__": "request"})
+        return params.with_(n=body.n, ignore_eos=body.ignore_eos)
     except UserError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
 
-def _checked(engine, ids: list[int], param: str) -> list[int]:
-    """Context and pool limits as OpenAI's context_length_exceeded (runs on the loop thread)."""
-    limit = engine.max_model_len
-    if len(ids) >= limit:
-        raise APIError(400, f"This model's maximum context length is {limit} tokens. However, your {param} "
-                            f"resulted in {len(ids)} tokens (at least one token must be left for the reply).",
-                       param=param, code="context_length_exceeded")
-    pool = engine.pool
-    if engine.scheduler.blocks_for(len(ids) + 1) > pool.num_blocks:
-        raise APIError(400, f"The prompt is {len(ids)} tokens but the server's whole KV pool holds "
-                            f"{pool.num_blocks * pool.block_size} tokens (restart it with a larger --kv-memory).",
-                       param=param, code="context_length_exceeded")
-    return ids
+def _context_error(e: ContextTooLong | PoolTooSmall, param: str) -> APIError:
+    """The engine's fit checks in OpenAI's words (context_length_exceeded)."""
+    if isinstance(e, ContextTooLong):
+        message = (f"This model's maximum context length is {e.max_model_len} tokens. However, your {param} "
+                   f"resulted in {e.prompt_tokens} tokens (at least one token must be left for the reply).")
+    else:
+        message = (f"The prompt is {e.prompt_tokens} tokens but the server's whole KV pool holds "
+                   f"{e.capacity_tokens} tokens (restart it with a larger --kv-memory).")
+    return APIError(400, message, param=param, code="context_length_exceeded")
 
 
 async def _submit(aengine: AsyncEngine, prompts, params: SamplingParams, param: str) -> RequestGroup:
@@ -190,6 +189,8 @@ async def _submit(aengine: AsyncEngine, prompts, params: SamplingParams, param: 
         return await aengine.add(prompts, params)
     except APIError:
         raise
+    except (ContextTooLong, PoolTooSmall) as e:
+        raise _context_error(e, param) from None
     except UserError as e:    # engine checks on the prompt: empty, token ids outside the vocabulary, ...
         raise APIError(400, str(e), param=param) from None
     except Exception as e:

@@ -1,4 +1,4 @@
-"""The engine behind the server: one thread drives Engine.step(); HTTP handlers talk to it by commands.
+"""The engine behind the server: one thread drives Engine.steps(); HTTP handlers talk to it by commands.
 
 The engine is not thread-safe, so every touch of it (add, abort, stats) is a command that the loop thread
 runs between steps. The requests of one HTTP call form a RequestGroup; their token events come back to the
@@ -15,6 +15,7 @@ import itertools
 import logging
 import threading
 from collections import deque
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Callable
 
@@ -173,16 +174,22 @@ class AsyncEngine:
                     self._wake.wait()
                 if self._stopping:
                     break
-                commands, self._commands = self._commands, deque()
             try:
-                for fn, future in commands:
-                    self._run_command(fn, future)
-                if self.engine.has_unfinished():
-                    self._step()
+                self._run_commands()
+                self._drive()
             except Exception as e:  # a bug here must not leave every client waiting forever
                 log.exception("engine loop error")
                 self._fail_all(Failure(f"engine error: {type(e).__name__}: {e}", 500, "engine_error"))
         self._shutdown()
+
+    def _run_commands(self) -> bool:
+        """Run the queued commands; False once the loop is stopping."""
+        with self._wake:
+            commands, self._commands = self._commands, deque()
+            stopping = self._stopping
+        for fn, future in commands:
+            self._run_command(fn, future)
+        return not stopping
 
     def _run_command(self, fn, future: concurrent.futures.Future) -> None:
         if not future.set_running_or_notify_cancel():
@@ -192,14 +199,18 @@ class AsyncEngine:
         except Exception as e:          # user errors travel back to the HTTP handler that asked
             future.set_exception(e)
 
-    def _step(self) -> None:
+    def _drive(self) -> None:
+        """Step the engine until it has no work, running the commands that arrive between two steps (so a
+        new request joins the running batch at the next step)."""
         try:
-            events = self.engine.step()
+            with closing(self.engine.steps()) as steps:
+                for events in steps:
+                    self._dispatch(events)
+                    if not self._run_commands():
+                        return          # stopping: _shutdown fails what is left
         except Exception as e:  # a bug or a device error: fail the calls in flight, keep serving
             log.exception("engine step failed")
             self._fail_all(Failure(f"engine error: {type(e).__name__}: {e}", 500, "engine_error"))
-            return
-        self._dispatch(events)
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         batches: dict[RequestGroup, list] = {}
@@ -213,8 +224,7 @@ class AsyncEngine:
             if event.finish_reason is not None:
                 ended.append(event.request_id)
         for rid in dict.fromkeys(ended):
-            request = self.engine.requests.get(rid)
-            if request is None or not request.finished:
+            if not self.engine.is_finished(rid) or rid not in self._slots:
                 continue
             group, slot = self._slots.pop(rid)
             output = self.engine.pop_output(rid)

@@ -11,6 +11,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedchat.settings import MAX_SERVER_VARIANTS
+
 
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
@@ -42,7 +44,7 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_SERVER_VARIANTS)
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1)          # -1 or 0 = off

@@ -1,6 +1,6 @@
 """Write docs/benchmarks.md from the JSON results of scripts/run_benchmarks.sh.
 
-    python -m pagedchat.bench.report docs/bench-results > docs/benchmarks.md
+    python scripts/bench_report.py docs/bench-results > docs/benchmarks.md
 
 Every figure in the page comes from a result file, which carries the exact command, date and machine that
 produced it; the prose around the figures is fixed text. A goal's status is computed, never written.
@@ -331,7 +331,7 @@ def render(res: dict[str, dict]) -> str:
     parts = ["# Benchmarks", "",
              "Every claim measured against the alternative in the same run, on the same machine. Regenerate "
              "everything with `scripts/run_benchmarks.sh` (each result in `docs/bench-results/*.json` records its "
-             "command, date and machine; this page is written from them by `python -m pagedchat.bench.report`).",
+             "command, date and machine; this page is written from them by `python scripts/bench_report.py`).",
              "", f"Results from {any_result.get('date', '?')} on: {any_result.get('machine', '?')} "
              f"(code at commit {git_commit()} when the page was written). The machine was shared with other "
              "jobs while these ran: absolute times are noisy (a few ms at the small end), which is why every "

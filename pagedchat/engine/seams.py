@@ -1,0 +1,36 @@
+"""The two things an Engine can be given instead of building them: the loaded model and the model runner.
+Property tests and the memory benchmarks pass their own (no model at all); these Protocols say exactly
+what the engine reads of them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from pagedchat.engine.scheduler import ScheduledBatch
+from pagedchat.engine.sequence import Sequence
+
+
+class ModelSpec(Protocol):
+    vocab_size: int
+
+
+class ModelSource(Protocol):
+    """What the engine reads of a `LoadedModel` (pagedchat.model.loader)."""
+    path: object                 # shown in error messages
+    tokenizer: object | None     # None: the engine takes token ids only
+    eos_token_ids: list[int]
+    max_model_len: int
+    spec: ModelSpec
+    device: torch.device
+
+
+class StepRunner(Protocol):
+    """What the engine needs of a `ModelRunner` (pagedchat.engine.runner)."""
+    num_blocks: int              # the KV pool's size, fixed when the runner allocated it
+
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run one scheduled batch: logits for the sequences that sample this step, and those sequences
+        (in row order); (None, []) when no sequence finished its prompt this step."""
+        ...
