@@ -81,7 +81,7 @@ def test_ram_tier_keeps_blocks_the_pool_evicted(make_engine, reference):
     engine.generate([[7 + i % 50 for i in range(220)]], GREEDY)   # 14 blocks: evicts the first prompt's
     again = PROMPT[:100] + [3]
     out = engine.generate([again], GREEDY)[0]
-    assert out.ram_hit_tokens > 0 and engine.pool.stats().ram_hit_tokens == out.ram_hit_tokens
+    assert out.ram_hit_tokens > 0 and engine.pool_stats().ram_hit_tokens == out.ram_hit_tokens
     assert out.outputs[0].token_ids == reference(again)
     engine.tiers.ram.check_invariants()
 
