@@ -25,6 +25,9 @@ class ModelOptions:
     kv_memory: Optional[str] = None
     max_context: Optional[int] = None
     kv_allocation: str = "paged"    # serve only: "reserved" is the contiguous-cache peer of `bench serve`
+    speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
+    num_draft_tokens: Optional[int] = None
+    draft_model: Optional[str] = None
     kv_disk: Optional[str] = None   # None = DEFAULT_KV_DISK; "0" = no disk tier
     kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier
 
@@ -66,7 +69,8 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
                               kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
                               kv_allocation=opts.kv_allocation, chat_template=template,
                               kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
-                              kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM)
+                              kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM,
+                              **speculation_settings(opts, entry))
         return Engine(config, show_progress=show_progress), entry
     except SettingError as e:
         raise UserError(cli_words(e)) from None
@@ -78,6 +82,23 @@ def kv_report(pool) -> dict:
     return {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
             "prefix_hit_tokens": pool.prefix_hit_tokens, "ram_hit_tokens": pool.ram_hit_tokens,
             "disk_hit_tokens": pool.disk_hit_tokens}
+
+
+def speculation_settings(opts: ModelOptions, entry) -> dict:
+    """--speculate / --num-draft-tokens / --draft-model over the models.toml keys of the same names. A draft
+    model is named like -m: a models.toml entry or a folder."""
+    from pagedchat.registry import Registry
+
+    def pick(key, default):
+        value = getattr(opts, key)
+        return value if value is not None else entry.get(key, default).value
+
+    draft = pick("draft_model", None)
+    method = pick("speculate", None) or ("draft" if draft else "off")
+    out = {"speculate": method, "num_draft_tokens": pick("num_draft_tokens", 6)}
+    if method == "draft" and draft:
+        out["draft_model"] = str(Registry().resolve(draft).path)
+    return out
 
 
 def _read_template(value: str, entry) -> str:
@@ -134,7 +155,8 @@ def _strings(stop) -> list:
 
 # EngineConfig setting -> the flag that sets it (run, chat and serve share them: commands/common.py)
 _FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_memory": "--kv-memory",
-          "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation"}
+          "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation", "speculate": "--speculate",
+          "num_draft_tokens": "--num-draft-tokens"}
 
 
 def cli_words(error: Exception) -> str:

@@ -26,13 +26,14 @@ class ContentRunner:
             self.content[dst] = list(self.content[src])
         samplers, rows = [], []
         for seq, n in batch.items:
+            tokens = seq.token_ids + seq.draft_ids  # drafts are always scheduled whole, after the last token
             for p in range(seq.num_computed, seq.num_computed + n):
                 block = seq.block_table[p // self.block_size]
                 assert pool.ref_count[block] == 1, f"write into shared block {block} (refcount {pool.ref_count[block]})"
-                self.content[block][p % self.block_size] = seq.token_ids[p]
-            if seq.num_computed + n == seq.num_tokens:
+                self.content[block][p % self.block_size] = tokens[p]
+            if seq.num_computed + n == len(tokens):
                 samplers.append(seq)
-                rows.append(seq.token_ids[-1])
+                rows.extend(tokens[len(tokens) - 1 - len(seq.draft_ids):])
         if not samplers:
             return None, []
         return self.table[torch.tensor(rows)], samplers

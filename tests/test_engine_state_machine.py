@@ -43,6 +43,7 @@ COUNTS: Counter = Counter()
 
 class EngineMachine(RuleBasedStateMachine):
     KV_ALLOCATION = "paged"
+    ENGINE = {}  # extra engine options (the speculating machine below turns drafts on)
 
     def __init__(self):
         super().__init__()
@@ -54,7 +55,7 @@ class EngineMachine(RuleBasedStateMachine):
 
     def _start_engine(self):
         self.engine, self.runner = fake_engine(num_blocks=16, block_size=8, max_num_batched_tokens=16,
-                                               kv_allocation=self.KV_ALLOCATION, tiers=self.tiers)
+                                               kv_allocation=self.KV_ALLOCATION, tiers=self.tiers, **self.ENGINE)
         scheduler = self.engine.scheduler
         real_evict = scheduler.evict_pin
 
@@ -232,6 +233,12 @@ class EngineMachine(RuleBasedStateMachine):
         for seq in self.running() + self.pinned():
             assert all(b not in pool.free_queue for b in seq.block_table), f"{seq} holds a free block"
             self.runner.check_sequence(seq)
+            # no block beyond the computed tokens (rolled-back draft slots give their tail blocks back)
+            assert self.KV_ALLOCATION == "reserved" or len(seq.block_table) == -(-seq.num_computed // pool.block_size), \
+                f"{seq} holds a stale tail"
+            assert not seq.draft_ids, f"{seq} kept drafts between steps"
+        for h, block in pool.hash_to_block.items():  # a hashed block holds exactly its tokens' KV
+            assert tuple(self.runner.content[block]) == pool.block_tokens[block], f"block {block} hashed wrongly"
         for seq in engine.scheduler.waiting:
             assert not seq.block_table and seq.num_computed == 0, f"waiting {seq} sits on blocks"
         if engine.tiers is not None and engine.tiers.ram is not None:
@@ -287,6 +294,28 @@ def test_engine_state_machine():
     for path in ("engine preemptions", "preempted", "pins dropped", "switch to evicted head", "cow copies",
                  "failed alone", "finish", "prefix hit tokens", "ram hit tokens", "disk hit tokens", "restarts",
                  "corrupted files"):
+        assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
+
+
+class SpeculatingMachine(EngineMachine):
+    """The same programs with n-gram drafts verified every step: drafts take budget and blocks, are
+    rolled back when rejected, and must leave the pool exactly as the invariants above demand."""
+    ENGINE = {"speculate": "ngram", "num_draft_tokens": 4}
+
+    def teardown(self):
+        stats = self.engine.speculator.stats
+        COUNTS["spec proposed"] += stats.proposed_tokens
+        COUNTS["spec accepted"] += stats.accepted_tokens
+        super().teardown()
+
+
+def test_engine_state_machine_speculating():
+    COUNTS.clear()
+    run_state_machine_as_test(SpeculatingMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
+    print(f"\nspeculating state machine: {dict(COUNTS)}")
+    assert COUNTS["spec accepted"] > 0, COUNTS
+    assert COUNTS["spec proposed"] > COUNTS["spec accepted"], f"no draft was ever rolled back: {COUNTS}"
+    for path in ("engine preemptions", "preempted", "cow copies", "finish", "prefix hit tokens"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
 
 

@@ -44,12 +44,13 @@ class ChatBackend:
         self.stop_requested = True
 
     # -- a turn ---------------------------------------------------------------------------------------------
-    def generate(self, prompt: list[int], params: SamplingParams, parent: Branch | None, on_update) -> Generated:
+    def generate(self, prompt: list[int], params: SamplingParams, parent: Branch | None, on_update,
+                 context: list[list[int]] | None = None) -> Generated:
         """Run one prompt (n variants, pinned when they finish) to the end or to a stop; on_update(index,
         text so far) as text arrives. A prompt over the context raises ContextFull; a request that failed in
         the engine raises its error (its finished variants released)."""
         try:
-            rid = self.engine.add_request(prompt, params, keep=True, parent=parent)
+            rid = self.engine.add_request(prompt, params, keep=True, parent=parent, context=context)
         except ContextTooLong as e:
             raise ContextFull(f"the context is full: this turn needs {e.prompt_tokens} tokens and the model takes "
                               f"{e.max_model_len}", "/clear or /new to start over, /switch to an earlier node") from None
@@ -109,6 +110,9 @@ class ChatBackend:
         return self.engine.blocks_held(handles)
 
     # -- numbers --------------------------------------------------------------------------------------------
+    def set_speculation(self, method: str) -> None:
+        self.engine.set_speculation(method)
+
     def pool_stats(self) -> PoolStats:
         return self.engine.pool_stats()
 

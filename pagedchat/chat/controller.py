@@ -27,6 +27,7 @@ from pagedchat.prompts import require_text
 SET_KEYS = SETTING_KEYS     # /set takes exactly the sampling settings SamplingParams declares
 FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
 MAX_FORK = MAX_FORK_VARIANTS
+CONTEXT_LEAD = 64           # prompt tokens put before a sibling reply, so a draft can match its start
 
 
 @dataclass
@@ -140,8 +141,11 @@ class ChatController:
 
     def set_option(self, key: str, value: str) -> str:
         """`/set KEY VALUE`: validated like SamplingParams; `default` removes the override."""
+        if key == "speculate":  # an engine setting, not a sampling one: it applies from the next turn
+            self.backend.set_speculation(value.strip().lower())
+            return f"speculate = {value.strip().lower()}"
         if key not in SET_KEYS:
-            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}")
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}, speculate")
         s = self.session
         keys = s.set_keys
         if value.strip().lower() == "default":
@@ -218,7 +222,10 @@ class ChatController:
         if user is None:
             raise UserError("nothing to regenerate yet: send a message first")
         params, notes = self._params(n, vary=True)
-        out, interrupted, stats = self._generate(s.tree.path_tokens(user.id), params, notes, on_update)
+        prompt = s.tree.path_tokens(user.id)
+        # earlier replies to the same message: n-gram drafts copy what a regeneration repeats of them
+        context = [prompt[-CONTEXT_LEAD:] + reply.token_ids for reply in s.tree.children(user.id)]
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update, context)
         return self._finish(user, out, interrupted, stats, notes, user_node=None)
 
     def edit(self, node_id: int, text: str, on_update=None) -> TurnResult:
@@ -232,8 +239,11 @@ class ChatController:
         path = s.tree.path(node.parent)
         user_ids = self.templater.user_turn_tokens(path, text)
         params, notes = self._params(1)
+        # the edited message's siblings and their replies: an edit's answer repeats much of the old one
+        context = [sibling.token_ids + reply.token_ids for sibling in s.tree.children(node.parent)
+                   for reply in s.tree.children(sibling.id)]
         out, interrupted, stats = self._generate(s.tree.path_tokens(node.parent) + user_ids, params, notes,
-                                                 on_update)
+                                                 on_update, context)
         user = s.tree.add(node.parent, "user", text, user_ids)
         return self._finish(user, out, interrupted, stats, notes, user_node=user)
 
@@ -274,7 +284,7 @@ class ChatController:
             notes.append(f"temperature is 0, so {what}: sampling at temperature {temperature:g}")
         return params, notes
 
-    def _generate(self, prompt: list[int], params, notes: list[str], on_update):
+    def _generate(self, prompt: list[int], params, notes: list[str], on_update, context=None):
         room = self.backend.max_model_len - len(prompt)
         limit = max(room // 2, min(room, 32))  # leave room for more turns in a small context
         capped = None
@@ -282,7 +292,7 @@ class ChatController:
             params = params.with_(max_tokens=limit)
             capped = limit
         parent = self.backend.pin_for(self.session.handles, prompt)
-        done = self.backend.generate(prompt, params, parent, on_update)
+        done = self.backend.generate(prompt, params, parent, on_update, context)
         stats = self._stats(prompt, done.output, capped, params.n)
         return done.output, done.interrupted, stats
 
@@ -353,7 +363,7 @@ class ChatController:
                 "prefix_hit_rate": pool.prefix_hit_rate, "cow_copies": pool.cow_copies, "pinned": st.pinned,
                 "ram_hit_tokens": pool.ram_hit_tokens, "disk_hit_tokens": pool.disk_hit_tokens,
                 "pinned_blocks": st.pinned_blocks, "preemptions": st.preemptions, "sessions": per_session,
-                "last_turn": self.last_stats}
+                "last_turn": self.last_stats, "spec": st.spec}
 
 
 def _node_stats(stats: dict) -> dict:

@@ -89,4 +89,5 @@ def _report(ctl, result) -> dict:
                   "prompt_cached_tokens": stats["prompt_cached"]},
         "kv": kv_report(pool),
         "timing": {"ttft_s": stats["ttft_s"], "decode_tokens_per_s": decode, "total_s": stats["total_s"]},
+        **({"spec": spec} if (spec := ctl.backend.stats().spec) is not None else {}),
     }

@@ -144,6 +144,11 @@ def pool_view(stats: dict, current: str | None) -> Group:
     table.add_row("copy-on-write", f"{stats['cow_copies']} block copies")
     table.add_row("pins", f"{stats['pinned']} branch heads holding {stats['pinned_blocks']} blocks")
     table.add_row("preemptions", str(stats["preemptions"]))
+    if stats.get("spec"):
+        spec = stats["spec"]
+        table.add_row("speculation", f"{spec['method']}: {spec['accepted_tokens']} of {spec['proposed_tokens']} "
+                                     f"draft tokens accepted ({spec['acceptance_rate']:.1%}), "
+                                     f"{spec['tokens_per_step']:.2f} tokens per decode step")
     sessions = Table(title="sessions in this pool", title_justify="left", box=None, padding=(0, 2))
     for column in ("session", "nodes", "pinned heads", "blocks held"):
         sessions.add_column(column)

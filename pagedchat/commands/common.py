@@ -33,3 +33,9 @@ REPETITION_PENALTY = typer.Option(None, "--repetition-penalty")
 MAX_TOKENS = typer.Option(None, "--max-tokens", help="Most tokens to generate per reply.")
 SEED = typer.Option(None, "--seed", help="Per-request seed: same seed, same tokens, whatever else runs.")
 STOP = typer.Option(None, "--stop", help="Stop string (repeatable).")
+SPECULATE = typer.Option(None, "--speculate", help="Speculative decoding: ngram (drafts copied from the prompt, "
+                                                   "history and sibling replies), draft (--draft-model) or off.")
+NUM_DRAFT_TOKENS = typer.Option(None, "--num-draft-tokens", help="Most draft tokens per step (adapted per "
+                                                                 "sequence to its acceptance; default 6).")
+DRAFT_MODEL = typer.Option(None, "--draft-model", help="Smaller model with the same tokenizer that proposes "
+                                                       "drafts (models.toml name or folder).")

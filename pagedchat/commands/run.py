@@ -44,11 +44,15 @@ def run(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    speculate: Optional[str] = common.SPECULATE,
+    num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
+    draft_model: Optional[str] = common.DRAFT_MODEL,
     kv_disk: Optional[str] = common.KV_DISK,
     kv_ram: Optional[str] = common.KV_RAM,
 ) -> None:
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
-                                    kv_memory=kv_memory, max_context=max_context, kv_disk=kv_disk,
+                                    kv_memory=kv_memory, max_context=max_context, speculate=speculate,
+                                    num_draft_tokens=num_draft_tokens, draft_model=draft_model, kv_disk=kv_disk,
                                     kv_ram=kv_ram)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
@@ -218,6 +222,9 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
     report["kv"] = kv_report(pool)
     report["timing"] = {"ttft_s": ttft, "decode_tokens_per_s": (completion - len(outputs)) / decode_time
                         if decode_time > 0 and completion > len(outputs) else None, "total_s": total}
+    spec = engine.stats().spec
+    if spec is not None:  # speculation was on
+        report["spec"] = spec
     if any(o.error for o in outputs):
         report["errors"] = [o.error for o in outputs]
     return report

@@ -54,6 +54,9 @@ class EngineConfig:
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
     chat_template: str | None = None  # replaces the folder's template (models.toml chat_template), set at load
+    speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/speculative.py)
+    num_draft_tokens: int = 6       # most tokens proposed per sequence and step (adapted per sequence)
+    draft_model: str | None = None  # a smaller model with the same tokenizer (speculate="draft")
     # Tiers below the pool (0 = off; the library default, so tests and benchmarks keep no state; the CLI
     # turns both on): evicted blocks go to host RAM, then to disk, where other processes find them too.
     kv_ram: int | str = 0           # bytes or '512MiB'
@@ -82,3 +85,14 @@ class EngineConfig:
             self.enable_prefix_cache = False
         if self.dtype not in DTYPE_CHOICES:
             raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        if self.draft_model and self.speculate == "off":
+            self.speculate = "draft"  # --draft-model alone asks for it
+        if self.speculate not in ("off", "ngram", "draft"):
+            raise SettingError("speculate", f"{{name}} must be ngram, draft or off, got {self.speculate!r}")
+        if self.speculate == "draft" and not self.draft_model:
+            raise SettingError("speculate", "{name} draft needs a draft model (--draft-model NAME|PATH)")
+        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 32:
+            raise SettingError("num_draft_tokens", f"{{name}} must be from 1 to 32, got {self.num_draft_tokens}")

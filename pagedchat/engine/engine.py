@@ -36,7 +36,8 @@ from pagedchat.engine.sampling_params import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
 from pagedchat.engine.seams import ModelSource, StepRunner
 from pagedchat.engine.sequence import Request, Sequence, SeqStatus
-from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants
+from pagedchat.engine.speculative import NgramProposer, Speculator
+from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError
 from pagedchat.model.loader import load_model
 
 __all__ = ["Branch", "CompletionOutput", "Engine", "EngineStats", "RequestOutput", "TokenEvent"]
@@ -65,8 +66,32 @@ class Engine:
                                    max_model_len=self.max_model_len, tiers=self.tiers)
         self.sampler = Sampler()
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self._speculators: dict[str, Speculator] = {}
+        self.speculator: Speculator | None = None
+        self.set_speculation(config.speculate)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def set_speculation(self, method: str) -> None:
+        """Switch speculative decoding between steps: off, ngram, or draft (needs the config's draft model).
+        A draft model is loaded once and kept."""
+        if method == "off":
+            self.speculator = None
+            return
+        if method not in ("ngram", "draft"):
+            raise UserError(f"speculate must be ngram, draft or off, got {method!r}")
+        if method == "draft" and not self.config.draft_model:
+            raise UserError("speculate draft needs a draft model: start with --draft-model NAME|PATH")
+        if method not in self._speculators:
+            if method == "ngram":
+                proposer = NgramProposer()
+            else:
+                from pagedchat.engine.draft import DraftProposer
+
+                proposer = DraftProposer(self.config, self)
+            self._speculators[method] = Speculator(method, self.config.num_draft_tokens, proposer,
+                                                   self.max_model_len)
+        self.speculator = self._speculators[method]
 
     @property
     def device(self) -> torch.device:
@@ -118,17 +143,19 @@ class Engine:
         return list(self.tokenizer(text).input_ids)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, keep: bool = False, parent: Branch | None = None) -> str:
+                    request_id: str | None = None, keep: bool = False, parent: Branch | None = None,
+                    context: list[list[int]] | None = None) -> str:
         """Queue a prompt (text is encoded raw, no template) after `check_prompt`. keep=True pins each
         finished variant's blocks (its output's `handle`); parent= a Branch whose tokens prefix this prompt:
-        its KV is reused by forking it (ignored once the engine dropped its pin)."""
+        its KV is reused by forking it (ignored once the engine dropped its pin). context= related token
+        streams (sibling replies, other branches) that n-gram drafts may copy from."""
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_prompt(ids, params.n)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, ids, params, keep=keep)
+        request = Request(request_id, ids, params, keep=keep, context=list(context or []))
         seq = Sequence(request, 0, ids)
         seq.generator = variant_generator(params.seed, 0, self.device)
         pinned = _sequence(parent)
@@ -237,6 +264,8 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One scheduled batch through the model; its token events. Callers drive it through `steps`."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         events = [self._fail(seq) for seq in batch.failed]
         if not batch:
@@ -245,12 +274,35 @@ class Engine:
         self.scheduler.commit(batch)
         if logits is None:
             return events
-        logits, samplers = self._fork_variants(logits, samplers)
-        tokens = self.sampler(logits, samplers)
+        logits, samplers, verified = self._split_drafted(logits, samplers)
         now = time.perf_counter()
-        for seq, token in zip(samplers, tokens):
-            events.append(self._append_token(seq, token, now))
+        if samplers:
+            logits, samplers = self._fork_variants(logits, samplers)
+            tokens = self.sampler(logits, samplers)
+            for seq, token in zip(samplers, tokens):
+                if seq.spec is not None:
+                    self.speculator.record(seq, 0, 0, 1)
+                events.append(self._append_tokens(seq, [token], now))
+        for seq, rows in verified:
+            tokens, accepted = self.speculator.verify(seq, rows)
+            events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
+
+    @staticmethod
+    def _split_drafted(logits: torch.Tensor, samplers: list[Sequence]):
+        """Separate plain rows (one per sequence) from the 1 + k rows of each sequence with drafts."""
+        if not any(seq.draft_ids for seq in samplers):
+            return logits, samplers, []
+        rows, plain, verified, r = [], [], [], 0
+        for seq in samplers:
+            n = 1 + len(seq.draft_ids)
+            if n == 1:
+                rows.append(r)
+                plain.append(seq)
+            else:
+                verified.append((seq, logits[r:r + n]))
+            r += n
+        return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], plain, verified
 
     def _fork_sequence(self, parent: Sequence, request: Request, index: int) -> Sequence:
         """A child sharing every block of parent (refcount + 1 each); its own sampling stream."""
@@ -281,17 +333,29 @@ class Engine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, seqs
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> TokenEvent:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float, accepted: int | None = None) -> TokenEvent:
+        """Append sampled tokens (several after a verified draft run) until one of them finishes the sequence.
+        accepted: how many of them are drafts whose KV the step wrote; the pool is rolled back to those
+        before the sequence can finish, be pinned or be forked."""
         request = seq.request
         request.first_token_time = request.first_token_time or now
-        reason = self.output.append(seq, token)
+        start, reason, added = seq.num_tokens, None, []
+        for token in tokens:
+            added.append(token)
+            reason = self.output.append(seq, token)
+            if reason is not None:
+                break
+        if accepted is not None:
+            seq.draft_ids = []
+            seq.num_computed = start + min(len(added) - 1, accepted)  # the last token is never computed
+            self.scheduler.roll_back(seq)
         if reason is not None:
             seq.finish_reason = reason
             self.scheduler.finish(seq, keep=request.keep)
             if request.finished:
                 request.finish_time = now
         text = self.output.take_visible(seq, finished=reason is not None)
-        return TokenEvent(request.request_id, seq.index, [token], text, reason)
+        return TokenEvent(request.request_id, seq.index, added, text, reason)
 
     def _fail(self, seq: Sequence) -> TokenEvent:
         """One sequence that cannot fit even alone in the pool (the scheduler already freed it) fails alone:
@@ -338,7 +402,8 @@ class Engine:
     def stats(self) -> EngineStats:
         pins = [Branch(s) for s in self.scheduler.pins.values()]
         return EngineStats(self.pool.stats(), len(self.scheduler.running), len(self.scheduler.waiting), len(pins),
-                           self.blocks_held(pins), self.scheduler.num_preemptions)
+                           self.blocks_held(pins), self.scheduler.num_preemptions,
+                           spec=self.speculator.stats.as_dict() if self.speculator is not None else None)
 
     def blocks_held(self, handles: Iterable[Branch | Sequence | None]) -> int:
         """Distinct blocks held by these pinned branches (what a session costs the pool)."""

@@ -102,3 +102,4 @@ class EngineStats:
     pinned: int
     pinned_blocks: int
     preemptions: int
+    spec: dict | None = None   # speculative decoding counters (SpecStats.as_dict) while it is on

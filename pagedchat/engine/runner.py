@@ -124,7 +124,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
-        """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token."""
+        """Forward the batch; logits only for sequences whose scheduled chunk reaches their last token
+        (1 + len(draft_ids) rows for a sequence with drafts, in batch order)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
         if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
@@ -146,13 +147,14 @@ class ModelRunner:
         for seq, n in batch.items:
             start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
             ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.draft_ids)  # a sequence with drafts always has all of them scheduled
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tables.append(table + [0] * (max_blocks - len(table)))
             seq_lens.append(end)
             cu.append(cu[-1] + n)
-            if end == seq.num_tokens:
-                sample_rows.append(cu[-1] - 1)
+            if end == seq.num_tokens + len(seq.draft_ids):  # one row per drafted position too
+                sample_rows.extend(range(cu[-1] - 1 - len(seq.draft_ids), cu[-1]))
                 samplers.append(seq)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),

@@ -66,6 +66,11 @@ class Sampler:
         return tokens.tolist()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        return exponential_race(self.probabilities(logits, seqs), seqs)
+
+    @staticmethod
+    def probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The distribution each row samples from: temperature, then top-k / top-p / min-p."""
         dev = logits.device
         params = [s.request.params for s in seqs]
         temp = torch.tensor([p.temperature for p in params], device=dev)
@@ -76,12 +81,17 @@ class Sampler:
                              torch.tensor([p.top_k for p in params], device=dev),
                              torch.tensor([p.top_p for p in params], device=dev),
                              torch.tensor([p.min_p for p in params], device=dev))
-        probs = logits.softmax(dim=-1)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
-        if unseeded:
-            noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_()
-        for i, seq in enumerate(seqs):
-            if seq.generator is not None:
-                noise[i].exponential_(generator=seq.generator)
-        return (probs / noise).argmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+
+def exponential_race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One draw per row from (unnormalized) probs, each seeded row from its own sequence's generator."""
+    dev = probs.device
+    noise = torch.empty_like(probs)
+    unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
+    if unseeded:
+        noise[unseeded] = torch.empty((len(unseeded), probs.shape[1]), device=dev).exponential_()
+    for i, seq in enumerate(seqs):
+        if seq.generator is not None:
+            noise[i].exponential_(generator=seq.generator)
+    return (probs / noise).argmax(dim=-1)

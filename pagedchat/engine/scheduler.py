@@ -72,12 +72,15 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._fit_drafts(seq, budget)
             if self._make_room(seq, n, reserve=0):
                 self._reserve(seq, n, batch.copies)
                 batch.items.append((seq, n))
                 budget -= n
                 i += 1
+                continue
+            if seq.draft_ids:
+                seq.draft_ids = []             # drafts are worth no one's preemption
                 continue
             victim = self.running[-1]
             if victim is seq and len(self.running) == 1:
@@ -87,6 +90,8 @@ class Scheduler:
                 break
             self._preempt(victim)
             batch.preempted.append(victim)
+        for seq in self.running[i:]:
+            seq.draft_ids = []                 # not scheduled this step: nothing to verify
         if batch.preempted:
             return batch
         pending = self._blocks_computed_by(batch.items)
@@ -123,8 +128,23 @@ class Scheduler:
     def commit(self, batch: ScheduledBatch) -> None:
         """After the forward pass: advance computed counts and index blocks that became full."""
         for seq, n in batch.items:
-            seq.num_computed += n
+            seq.num_computed += n - len(seq.draft_ids)  # drafted slots count once verified (Engine)
             self._register_full_blocks(seq)
+
+    def _fit_drafts(self, seq: Sequence, budget: int) -> int:
+        """Tokens to schedule for a running sequence: its uncomputed tokens, plus its drafts as far as the
+        budget allows (a draft cut short is still a draft; a chunk cut short is not verified)."""
+        n = seq.num_tokens - seq.num_computed
+        if seq.draft_ids:
+            del seq.draft_ids[max(0, budget - n):]
+        return min(n + len(seq.draft_ids), budget)
+
+    def roll_back(self, seq: Sequence) -> None:
+        """After verification: give back the tail blocks that hold only rejected draft slots (they were
+        never counted as computed, so never hashed), and index blocks that accepted drafts completed."""
+        if not self.reserve_upfront:  # a reserved table keeps its whole reply's blocks
+            self._free_tail(seq, self.blocks_for(seq.num_computed))
+        self._register_full_blocks(seq)
 
     # -- blocks ---------------------------------------------------------------------------------------------
     def _tokens_to_hold(self, seq: Sequence, n: int) -> int:
@@ -217,7 +237,7 @@ class Scheduler:
         bs, hashes = self.block_size, set()
         for seq, n in items:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            for i in range(len(seq.block_hashes), (seq.num_computed + n) // bs):
+            for i in range(len(seq.block_hashes), (seq.num_computed + n - len(seq.draft_ids)) // bs):
                 parent = chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
                 hashes.add(parent)
         return hashes
@@ -240,7 +260,9 @@ class Scheduler:
 
     def _drop_unused_tail(self, seq: Sequence) -> None:
         """A pin keeps the blocks of its tokens only; reserved blocks a reply ended before using go back."""
-        keep = self.blocks_for(seq.num_tokens)
+        self._free_tail(seq, self.blocks_for(seq.num_tokens))
+
+    def _free_tail(self, seq: Sequence, keep: int) -> None:
         for block in reversed(seq.block_table[keep:]):
             self.pool.decref(block)
         del seq.block_table[keep:]
@@ -249,6 +271,7 @@ class Scheduler:
         return sum(1 for b in seq.block_table if self.pool.ref_count[b] > 0)
 
     def _release(self, seq: Sequence) -> None:
+        seq.draft_ids = []
         self.pool.free_table(seq.block_table)
         seq.block_hashes.clear()
         seq.num_computed = 0

@@ -42,6 +42,8 @@ class Sequence:
         self.emitted = 0                    # characters of text already streamed
         self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
         self.detok_stream = None            # fast-tokenizer DecodeStream
+        self.draft_ids: list[int] = []      # proposed tokens verified in this step (speculative decoding)
+        self.spec = None                    # speculative.SpecState: acceptance history, n-gram index
 
     @property
     def num_tokens(self) -> int:
@@ -79,6 +81,7 @@ class Request:
     disk_hit_tokens: int = 0             # of those, loaded from the disk tier
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
+    context: list[list[int]] = field(default_factory=list)  # related token streams the n-gram drafts search
 
     @property
     def num_prompt_tokens(self) -> int:

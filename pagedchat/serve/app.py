@@ -104,6 +104,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
             "running": engine_stats.running, "waiting": engine_stats.waiting,
             "pinned": engine_stats.pinned, "preemptions": engine_stats.preemptions,
             "requests": counters,
+            **({"spec": engine_stats.spec} if engine_stats.spec is not None else {}),
         }
 
     # -- generation -----------------------------------------------------------------------------------------

@@ -1,0 +1,265 @@
+"""Speculative decoding keeps outputs exact: greedy tokens equal transformers' and the plain engine's for every
+architecture (alone, batched, chunked, preempted, n variants; good drafts and deliberately bad ones), sampled
+tokens follow the target distribution (chi-square against the exact Markov-chain marginals), and stops,
+max_tokens and EOS cut a verified run where plain decoding would have stopped."""
+
+import random
+
+import pytest
+import torch
+
+from fake_runner import EOS, fake_engine
+from hf_models import ARCHS
+from pagedchat.engine import Engine, EngineConfig, SamplingParams
+from pagedchat.engine.speculative import NgramProposer, SpecState
+from test_engine_equality import check
+
+NEW_TOKENS = 24
+
+
+class RandomProposer:
+    """A deliberately bad proposer: random tokens, always k of them."""
+    can_shadow = False
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def propose(self, seqs, ks):
+        return [[self.rng.randrange(self.vocab) for _ in range(k)] for k in ks]
+
+
+class EchoProposer:
+    """A proposer that is right as long as the reply repeats `target` (used to force long accepted runs)."""
+    can_shadow = False
+
+    def __init__(self, target: list[int]):
+        self.target = target
+
+    def propose(self, seqs, ks):
+        return [self.target[s.num_output_tokens:s.num_output_tokens + k] for s, k in zip(seqs, ks)]
+
+
+def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase, so n-gram drafts find matches (random models echo them often)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(3, 320) for _ in range(rng.randint(3, 9))]
+        out.append([rng.randrange(3, 320) for _ in range(rng.randint(1, 12))] + phrase * rng.randint(2, 5))
+    return out
+
+
+def spec_engine(model_dirs, arch, **kw) -> Engine:
+    path, _ = model_dirs[arch]
+    return Engine(EngineConfig(model=str(path), **{"num_blocks": 256, "speculate": "ngram", **kw}),
+                  show_progress=False)
+
+
+def check_greedy(engine, hf, batch, n=1, max_tokens=NEW_TOKENS):
+    return check(engine, hf, batch, SamplingParams(temperature=0, max_tokens=max_tokens), n=n)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ngram_greedy_equals_transformers_alone_and_batched(model_dirs, arch):
+    engine = spec_engine(model_dirs, arch)
+    hf = model_dirs[arch][1]
+    check_greedy(engine, hf, repetitive_prompts(1, seed=1))
+    check_greedy(engine, hf, repetitive_prompts(6, seed=2))
+    stats = engine.speculator.stats
+    assert stats.accepted_tokens > 0 and stats.proposed_tokens > stats.accepted_tokens, stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bad_proposer_greedy_equals_transformers(model_dirs, arch):
+    """Every draft random: nearly all rejected, rolled back every step; the tokens must not move."""
+    engine = spec_engine(model_dirs, arch, num_draft_tokens=5)
+    engine.speculator.proposer = RandomProposer(320)
+    _pin_depth(engine, 5)  # keep drafting however bad the drafts are
+    check_greedy(engine, model_dirs[arch][1], repetitive_prompts(2, seed=3))
+    stats = engine.speculator.stats
+    assert stats.proposed_tokens > 50 * 2 and stats.accepted_tokens < stats.proposed_tokens
+
+
+def _pin_depth(engine, k):
+    """Drafts of depth k every step, whatever the acceptance (so bad drafts are really verified)."""
+    engine.speculator._depth = lambda seq: min(k, seq.request.params.max_tokens - seq.num_output_tokens - 1)
+
+
+def test_ngram_chunked_preempted_and_variants(model_dirs):
+    hf = model_dirs["qwen2"][1]
+    check_greedy(spec_engine(model_dirs, "qwen2", max_num_batched_tokens=7), hf, repetitive_prompts(2, seed=4))
+    engine = spec_engine(model_dirs, "qwen2", num_blocks=10, block_size=8)
+    check_greedy(engine, hf, repetitive_prompts(5, seed=5))
+    assert engine.scheduler.num_preemptions > 0
+    check_greedy(spec_engine(model_dirs, "qwen2"), hf, repetitive_prompts(2, seed=6), n=3)
+
+
+def test_speculation_matches_plain_engine_token_for_token(model_dirs):
+    path, _ = model_dirs["llama"]
+    prompts = repetitive_prompts(6, seed=7)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    plain = Engine(EngineConfig(model=str(path), num_blocks=256), show_progress=False).generate(prompts, params)
+    spec = spec_engine(model_dirs, "llama").generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+
+
+# -- the pool and the finishing rules, on the model-free engine ----------------------------------------------
+def greedy_chain(engine, start: int, length: int) -> list[int]:
+    """The fake model's greedy continuation of `start` (its logits depend on the last token only)."""
+    out, token = [], start
+    for _ in range(length):
+        token = int(engine.runner.table[token].argmax())
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 5, 7])
+def test_max_tokens_and_eos_cut_inside_an_accepted_run(max_tokens):
+    engine, runner = fake_engine(speculate="ngram", num_draft_tokens=8)
+    prompt = [5, 6, 7]
+    expected = greedy_chain(engine, prompt[-1], 40)
+    engine.speculator.proposer = EchoProposer(expected)
+    _pin_depth(engine, 8)
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))[0]
+    assert out.outputs[0].token_ids == expected[:max_tokens]
+    assert engine.pool.num_used == 0
+    if EOS in expected[:30]:
+        cut = expected.index(EOS) + 1
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
+        assert out.outputs[0].token_ids == expected[:min(cut, 40)]
+
+
+def test_stop_token_cuts_a_run_and_pinned_tail_is_exact():
+    engine, runner = fake_engine(speculate="ngram", num_draft_tokens=8)
+    prompt = [5, 6, 7]
+    expected = greedy_chain(engine, prompt[-1], 30)
+    engine.speculator.proposer = EchoProposer(expected)
+    _pin_depth(engine, 8)
+    stop = expected[5]
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop],
+                                                    ignore_eos=True), keep=True)
+    while not engine.requests[rid].finished:
+        engine.step()
+    out = engine.pop_output(rid)
+    cut = expected.index(stop) + 1
+    assert out.outputs[0].token_ids == expected[:cut]
+    handle = out.outputs[0].handle.sequence
+    assert handle.num_computed == handle.num_tokens - 1
+    assert len(handle.block_table) == -(-handle.num_computed // engine.pool.block_size)
+    runner.check_sequence(handle)
+    engine.check_invariants()
+    # a follow-up from the pinned head sees only exact KV
+    follow = engine.generate([handle.token_ids + [9]], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert follow.outputs[0].token_ids == greedy_chain(engine, 9, 3)
+
+
+def chi_square_sf(stat: float, dof: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.mark.parametrize("top_k", [5])
+def test_sampled_distribution_equals_target(top_k):
+    """The fake model is a Markov chain over 24 tokens, so the exact distribution of the 4th output token is
+    a matrix power; 800 seeded speculative samples (drafts always 4 deep, mostly wrong) must fit it."""
+    engine, _ = fake_engine(speculate="ngram", num_draft_tokens=4, num_blocks=512)
+    _pin_depth(engine, 4)
+    vocab, steps, samples = 24, 4, 800
+    engine.speculator.proposer = RandomProposer(vocab, seed=1)
+    temperature = 1.3
+    params = [SamplingParams(temperature=temperature, top_k=top_k, max_tokens=steps, seed=s, ignore_eos=True)
+              for s in range(samples)]
+    prompt = [3, 4, 5]
+    outs = engine.generate([prompt] * samples, params)
+    observed = torch.bincount(torch.tensor([o.outputs[0].token_ids[steps - 1] for o in outs]), minlength=vocab)
+    # exact marginal of the 4th token
+    logits = engine.runner.table / temperature
+    if top_k:
+        kth = logits.topk(top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    transition = logits.softmax(dim=-1).double()
+    dist = torch.zeros(vocab, dtype=torch.float64)
+    dist[prompt[-1]] = 1.0
+    for _ in range(steps):
+        dist = dist @ transition
+    expected = dist * samples
+    keep = expected >= 5  # pool the rare cells, as the test demands
+    obs = torch.cat([observed[keep].double(), observed[~keep].double().sum().reshape(1)])
+    exp = torch.cat([expected[keep], expected[~keep].sum().reshape(1)])
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    p = chi_square_sf(stat, len(exp) - 1)
+    assert p > 1e-3, f"chi-square {stat:.1f} on {len(exp) - 1} dof, p = {p:.2g}"
+    stats = engine.speculator.stats
+    assert stats.accepted_tokens > 0 and stats.proposed_tokens > stats.accepted_tokens
+
+
+def test_seeded_speculative_sampling_is_reproducible():
+    engine, _ = fake_engine(speculate="ngram", num_draft_tokens=4)
+    params = SamplingParams(temperature=1.0, max_tokens=20, seed=7, n=3, ignore_eos=True)
+    first = [v.token_ids for v in engine.generate([[3, 4, 5, 3, 4, 5]], params)[0].outputs]
+    again = [v.token_ids for v in engine.generate([[3, 4, 5, 3, 4, 5]], params)[0].outputs]
+    assert first == again and len({tuple(v) for v in first}) > 1
+
+
+# -- the n-gram proposer -------------------------------------------------------------------------------------
+class _Seq:
+    def __init__(self, tokens, context=()):
+        from types import SimpleNamespace
+
+        self.token_ids = list(tokens)
+        self.request = SimpleNamespace(context=[list(c) for c in context])
+        self.spec = SpecState(self)
+
+
+def test_ngram_prefers_longest_then_the_stream_matching_furthest_back():
+    proposer = NgramProposer()
+    # own stream: "1 2 3" was followed by 4 5 6
+    assert proposer.propose([_Seq([1, 2, 3, 4, 5, 6, 9, 1, 2, 3])], [3]) == [[4, 5, 6]]
+    # a longer (4-gram) match beats a more recent 1-gram
+    assert proposer.propose([_Seq([7, 8, 9, 3, 5, 1, 7, 8, 9, 3])], [2]) == [[5, 1]]
+    # a sibling reply whose context matches further back wins over the sequence's own shorter echo
+    seq = _Seq([1, 22, 23, 10, 11, 99, 7, 20, 21, 22, 23, 10, 11], context=[[20, 21, 22, 23, 10, 11, 12, 13, 14]])
+    assert proposer.propose([seq], [3]) == [[12, 13, 14]]
+    seq = _Seq([1, 22, 23, 10, 11, 99, 7, 20, 21, 22, 23, 10, 11], context=[[0, 22, 23, 10, 11, 12, 13, 14]])
+    assert proposer.propose([seq], [3]) == [[99, 7, 20]]  # a tie: the sequence's own stream
+    seq = _Seq([50, 51, 52, 53, 54], context=[[1, 50, 51, 52, 53, 54, 60, 61]])
+    assert proposer.propose([seq], [4]) == [[60, 61]]
+    assert proposer.propose([_Seq([1, 2, 3])], [3]) == [[]]
+
+
+def test_ngram_index_grows_with_the_sequence():
+    proposer = NgramProposer()
+    seq = _Seq([1, 2, 3, 1])
+    assert proposer.propose([seq], [2]) == [[2, 3]]
+    seq.token_ids += [2, 3, 8, 1, 2, 3]
+    assert proposer.propose([seq], [2]) == [[8, 1]]
+
+
+# -- the command line ----------------------------------------------------------------------------------------
+def test_run_json_spec_report_and_same_tokens_as_off(pagedchat_cli, model_dirs):
+    import json
+
+    path, _ = model_dirs["mistral"]
+    prompt = "a b c d e f g a b c d e f g a b c d e f g"
+    reports = {}
+    for method in ("off", "ngram"):
+        code, out, err = pagedchat_cli("run", "-m", str(path), "--raw", "--temperature", "0", "--json",
+                                       "--max-tokens", "30", "--speculate", method, "--num-draft-tokens", "4", prompt)
+        assert code == 0, err
+        reports[method] = json.loads(out)
+    assert "spec" not in reports["off"]
+    spec = reports["ngram"]["spec"]
+    assert set(spec) == {"method", "proposed_tokens", "accepted_tokens", "acceptance_rate", "tokens_per_step"}
+    assert spec["method"] == "ngram" and spec["tokens_per_step"] >= 1.0
+    assert reports["ngram"]["outputs"][0]["token_ids"] == reports["off"]["outputs"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--speculate", "sometimes"], "--speculate must be ngram, draft or off"),
+    (["--speculate", "draft"], "--speculate draft needs a draft model"),
+    (["--speculate", "ngram", "--num-draft-tokens", "0"], "--num-draft-tokens must be from 1 to 32"),
+])
+def test_bad_speculation_flags_are_one_line_errors(pagedchat_cli, model, args, message):
+    code, out, err = pagedchat_cli("run", "-m", str(model), "--raw", *args, "hello")
+    assert code != 0 and message in err and "Traceback" not in err
