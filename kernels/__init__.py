@@ -11,6 +11,8 @@ backend="triton" or backend="torch" forces a path.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 import warnings
 
@@ -23,21 +25,12 @@ from .reference import (
     write_kv_ref,
 )
 
-try:
-    import triton  # noqa: F401
-    HAS_TRITON = True
-except ImportError:  # CPU-only install without the `gpu` extra
-    HAS_TRITON = False
-
-if HAS_TRITON:
-    try:
-        from ._launch import interpreting
-        from .triton_attention import paged_decode_attention_triton, paged_prefill_attention_triton
-        from .triton_cache import copy_blocks_triton, write_kv_triton
-    except (ImportError, AttributeError) as exc:  # a Triton whose API moved: keep the torch path alive
-        HAS_TRITON = False
-        warnings.warn(f"pagedchat.kernels: Triton kernels unavailable ({exc!r}); using the torch path",
-                      RuntimeWarning, stacklevel=2)
+# Triton itself is imported on first use only: the import costs a fifth of a second of every CPU start-up,
+# where the torch path runs anyway.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+_TRITON_FUNCTIONS = {"paged_decode_attention_triton": "triton_attention",
+                     "paged_prefill_attention_triton": "triton_attention",
+                     "write_kv_triton": "triton_cache", "copy_blocks_triton": "triton_cache"}
 
 __all__ = [
     "HAS_TRITON",
@@ -54,8 +47,34 @@ __all__ = [
     "write_kv_ref",
 ]
 if HAS_TRITON:
-    __all__ += ["copy_blocks_triton", "paged_decode_attention_triton", "paged_prefill_attention_triton",
-                "write_kv_triton"]
+    __all__ += sorted(_TRITON_FUNCTIONS)
+
+
+def _triton_loaded() -> bool:
+    """Import the Triton kernels once; a Triton whose API moved leaves the torch path alive."""
+    global HAS_TRITON
+    if not HAS_TRITON:
+        return False
+    try:
+        for module in set(_TRITON_FUNCTIONS.values()):
+            importlib.import_module(f".{module}", __name__)
+    except (ImportError, AttributeError) as exc:
+        HAS_TRITON = False
+        warnings.warn(f"pagedchat.kernels: Triton kernels unavailable ({exc!r}); using the torch path",
+                      RuntimeWarning, stacklevel=3)
+    return HAS_TRITON
+
+
+def _triton_function(name: str):
+    return getattr(importlib.import_module(f".{_TRITON_FUNCTIONS[name]}", __name__), name)
+
+
+def __getattr__(name: str):
+    """The *_triton entry points, importing Triton when first asked for."""
+    if name in _TRITON_FUNCTIONS and _triton_loaded():
+        return _triton_function(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _BACKENDS = ("auto", "triton", "torch")
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -63,7 +82,9 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def triton_interpret_enabled() -> bool:
     """True when TRITON_INTERPRET asks for the Triton interpreter (read at call time, as Triton does)."""
-    if HAS_TRITON:
+    if _triton_loaded():
+        from ._launch import interpreting
+
         return interpreting()
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
@@ -75,8 +96,8 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     if backend == "auto":
         runnable = tensors[0].is_cuda or triton_interpret_enabled()
         supported = all(t.dtype in _TRITON_DTYPES for t in tensors)
-        backend = "triton" if HAS_TRITON and supported and runnable else "torch"
-    if backend == "triton" and not HAS_TRITON:
+        backend = "triton" if supported and runnable and _triton_loaded() else "torch"
+    if backend == "triton" and not _triton_loaded():
         raise RuntimeError("backend='triton' requested but triton is not installed")
     return backend
 
@@ -87,7 +108,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
     `out` (optional, shape and dtype of q) receives the result and is returned: every row is written.
     """
     if resolve_backend(backend, q, k_cache) == "triton":
-        return paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        decode = _triton_function("paged_decode_attention_triton")
+        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
 
 
@@ -98,8 +120,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
     `out` (optional) receives the result; rows outside every sequence's query range are unspecified.
     """
     if resolve_backend(backend, q, k_cache) == "triton":
-        return paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                              scale, out)
+        prefill = _triton_function("paged_prefill_attention_triton")
+        return prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                        out)
 
@@ -107,14 +129,14 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq
 def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None) -> None:
     """Scatter k, v [N, Hkv, D] into the caches at slot_mapping [N]; negative slots are skipped."""
     if resolve_backend(backend, k_cache, k) == "triton":
-        return write_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+        return _triton_function("write_kv_triton")(k, v, k_cache, v_cache, slot_mapping)
     return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
 
 
 def copy_blocks(k_cache, v_cache, src, dst, *, backend=None) -> None:
     """Copy whole blocks src[i] -> dst[i] in one layer's caches (copy-on-write; dst disjoint from src)."""
     if resolve_backend(backend, k_cache) == "triton":
-        return copy_blocks_triton(k_cache, v_cache, src, dst)
+        return _triton_function("copy_blocks_triton")(k_cache, v_cache, src, dst)
     return copy_blocks_ref(k_cache, v_cache, src, dst)
 
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import os
 import sys
+from typing import Optional
 
-import typer
+from pagedchat import threads as _threads
+
+_threads.prepare_environment()  # before anything imports torch
+
+import typer  # noqa: E402
 
 app = typer.Typer(
     name="pagedchat",
@@ -17,9 +24,17 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from pagedchat import __version__
+
+        print(f"pagedchat {__version__}")
+        raise typer.Exit()
+
 
 @app.callback()
-def _root() -> None:
+def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
     """Chat, fork and compare LLM replies locally on one shared paged KV-cache pool."""
 
 
@@ -38,7 +53,37 @@ def _register_commands() -> None:
         module.register(app)
 
 
+THREADS = typer.Option(None, "--threads", help="CPU threads for torch (default: $PAGEDCHAT_THREADS, else the "
+                                               "physical cores).")
+
+
+def _with_threads(fn):
+    """`fn` as a command that also takes --threads N and applies it before running."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def command(*args, threads: Optional[int] = None, **kwargs):
+        _threads.apply_threads(threads)
+        return fn(*args, **kwargs)
+
+    option = inspect.Parameter("threads", inspect.Parameter.KEYWORD_ONLY, default=THREADS,
+                               annotation=Optional[int])
+    command.__signature__ = signature.replace(parameters=[*signature.parameters.values(), option])
+    command.__annotations__ = {**fn.__annotations__, "threads": Optional[int]}
+    return command
+
+
+def _add_threads_option(typer_app: typer.Typer) -> None:
+    """Every command takes --threads (the commands that time other systems define their own meaning)."""
+    for info in typer_app.registered_commands:
+        if info.callback is not None and "threads" not in inspect.signature(info.callback).parameters:
+            info.callback = _with_threads(info.callback)
+    for group in typer_app.registered_groups:
+        _add_threads_option(group.typer_instance)
+
+
 _register_commands()
+_add_threads_option(app)
 
 
 def _invoke() -> None:
@@ -97,5 +142,26 @@ def main() -> None:
               file=sys.stderr)
         sys.exit(1)
 
+def console_main() -> None:
+    """The installed `pagedchat` command: main(), then, once every output is flushed, an immediate exit.
+    Tearing down the interpreter (torch's modules and tensors) takes most of a second and does nothing a
+    finished command needs: files are written and closed by the commands themselves."""
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away: nothing left to deliver
+            code = code or 1
+    if "logging" in sys.modules:
+        sys.modules["logging"].shutdown()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    console_main()

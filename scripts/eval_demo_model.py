@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Evaluate the demo chat model on held-out prompts of every task family.
 
-The prompts come from train_demo_model.eval_set(): arithmetic on operand pairs that were held out
+The prompts come from demo_corpus.eval_set(): arithmetic on operand pairs that were held out
 of training (in the phrasings users type), held-out words for spelling and counting, new capital
 phrasings, small talk, and two-turn follow-ups. Each prompt is answered greedily by transformers
 and/or by pagedchat's engine (all prompts submitted together, so batching is exercised); the script
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_demo_model as T  # noqa: E402  (the eval set and the answer formats live there)
+import demo_corpus as T  # noqa: E402  (the eval set and the answer formats live there)
 
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "pagedchat" / "assets" / "demo-chat"
 MAX_NEW_TOKENS = 160  # the longest answer (a 10-letter word backwards) is about 100 tokens

@@ -3,25 +3,24 @@ copy-on-write, prefix reuse and preemption never put the wrong token's KV under 
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from pagedchat.engine import Engine, EngineConfig
+from pagedchat.engine.seams import NoModel
 
 EOS = 1
 
 
 class ContentRunner:
-    def __init__(self, num_blocks: int, block_size: int, vocab: int, pool_getter):
+    def __init__(self, num_blocks: int, block_size: int, vocab: int):
         self.num_blocks, self.block_size, self.vocab = num_blocks, block_size, vocab
         self.content = [[None] * block_size for _ in range(num_blocks)]
-        self.pool = pool_getter
+        self.pool = None            # the engine's pool, given once the engine exists (to check refcounts)
         gen = torch.Generator().manual_seed(0)
         self.table = torch.randn(vocab, vocab, generator=gen)  # logits depend on the last token only
 
     def run(self, batch):
-        pool = self.pool()
+        pool = self.pool
         for src, dst in batch.copies:
             self.content[dst] = list(self.content[src])
         samplers, rows = [], []
@@ -69,11 +68,9 @@ def fake_tiers(runner: ContentRunner, ram_bytes: int, disk_dir=None, disk_bytes:
 def fake_engine(num_blocks=32, block_size=8, vocab=24, max_model_len=256, tiers=None,
                 **config) -> tuple[Engine, ContentRunner]:
     """`tiers`: fake_tiers keyword arguments (ram_bytes, disk_dir, ...) to put RAM/disk tiers under the pool."""
-    loaded = SimpleNamespace(tokenizer=None, eos_token_ids=[EOS], max_model_len=max_model_len,
-                             spec=SimpleNamespace(vocab_size=vocab), device=torch.device("cpu"), path="fake")
-    holder = {}
-    runner = ContentRunner(num_blocks, block_size, vocab, lambda: holder["engine"].pool)
+    loaded = NoModel(max_model_len=max_model_len, vocab_size=vocab, eos_token_ids=[EOS], path="fake")
+    runner = ContentRunner(num_blocks, block_size, vocab)
     engine = Engine(EngineConfig(model="fake", block_size=block_size, num_blocks=num_blocks, **config),
                     loaded=loaded, runner=runner, tiers=fake_tiers(runner, **tiers) if tiers else None)
-    holder["engine"] = engine
+    runner.pool = engine.pool
     return engine, runner

@@ -29,3 +29,25 @@ def serving(app):
         thread.join(15)
         sock.close()
     assert not thread.is_alive(), "the test server did not stop"
+
+
+@contextlib.contextmanager
+def serving_model(path, name: str, api_key: str | None = None, kv_memory: str = "2MiB"):
+    """Yield (base URL, engine) of `pagedchat serve`'s app on the model folder `path`, named `name`."""
+    import os
+    import tempfile
+
+    from pagedchat.serve import AsyncEngine, create_app
+    from pagedchat.serve.server import settings_for
+    from pagedchat.settings import ModelOptions, load_engine
+
+    with tempfile.TemporaryDirectory() as config:
+        old = os.environ.get("XDG_CONFIG_HOME")
+        os.environ["XDG_CONFIG_HOME"] = config      # no user models.toml
+        try:
+            engine, entry = load_engine(ModelOptions(model=str(path), device="cpu", kv_memory=kv_memory),
+                                        show_progress=False)
+        finally:
+            os.environ.pop("XDG_CONFIG_HOME") if old is None else os.environ.update(XDG_CONFIG_HOME=old)
+    with serving(create_app(AsyncEngine(engine), settings_for(entry, api_key, name))) as url:
+        yield url, engine

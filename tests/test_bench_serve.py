@@ -79,3 +79,13 @@ def test_bench_serve_refuses_other_machines(capsys, monkeypatch):
     code, out, err = invoke(["bench", "serve", "--url", "http://example.com:8000/v1", "--modes", "paged",
                              "--rates", "1"], capsys=capsys, monkeypatch=monkeypatch)
     assert code != 0 and "127.0.0.1" in err + out and "Traceback" not in err + out
+
+
+def test_every_rate_offers_at_least_one_request_within_the_window():
+    from pagedchat.bench.load import Workload
+    from pagedchat.bench.serve import SweepParams, offered_conversations
+
+    sweep = SweepParams(rates=(0.01,), max_seconds=1)       # first arrival expected ~100 s in
+    for kind in ("lognormal", "chat"):
+        conversations = offered_conversations(Workload(kind=kind, requests=20), sweep, 0.01, 0, vocab=100)
+        assert len(conversations) == 1

@@ -115,3 +115,16 @@ def test_user_stop_strings_are_added_to_the_models_in_the_cli_and_the_server_ali
     # without a user stop, the model's alone; a layer above the model wins every other key
     alone, _ = resolve_sampling(_Entry(**model), SamplingOptions(), {"temperature": 0.0, "__source__": "/set"})
     assert alone.stop == ["<end>"] and alone.temperature == 0.0
+
+
+def test_front_ends_reach_the_engine_only_through_its_api():
+    """chat, serve and the commands never read the engine's pool, scheduler, requests or runner."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "pagedchat"
+    internal = re.compile(r"\.(pool|scheduler|requests|runner)\b")
+    hits = [f"{path.relative_to(root)}:{number}: {line.strip()}"
+            for folder in ("chat", "serve", "commands") for path in sorted((root / folder).rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if internal.search(line)]
+    assert hits == []

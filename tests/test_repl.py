@@ -238,3 +238,19 @@ def test_piped_stdin_runs_the_same_commands(ctl, monkeypatch):
     assert run_repl(ctl, console) == 0
     assert [n.text for n in ctl.session.tree.nodes.values() if n.role == "user"] == ["hello world", "a\nb"]
     assert "session main" in screen.getvalue()
+
+
+def test_set_schema_constrains_replies(repl, ctl, tmp_path):
+    import jsonschema
+
+    schema = {"enum": ["yes", "no", [1, 2]]}     # short: the test controller's replies stop at 8 tokens
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    (tmp_path / "bad.json").write_text(json.dumps({"type": "object", "properties": {"a": {"$ref": "#/none"}}}))
+    screen = repl(f"/set schema {tmp_path / 's.json'}", "hello world",
+                  f"/set schema {tmp_path / 'bad.json'}", f"/set schema {tmp_path / 'missing.json'}",
+                  "/set schema off", "hello again")
+    replies = [n.text for n in ctl.session.tree.nodes.values() if n.role == "assistant"]
+    jsonschema.validate(json.loads(replies[0]), schema)
+    assert "every reply is JSON valid for it" in screen and "unsupported json schema" in screen
+    assert "cannot read JSON schema" in screen and "schema off" in screen
+    assert len(replies) == 2 and ctl.schema is None

@@ -304,8 +304,8 @@ def test_bad_requests_get_openai_errors(server, client):
     assert e.value.status_code == 404 and e.value.code == "model_not_found"
 
     cases = [({"temperature": -1}, "temperature"), ({"presence_penalty": 0.5}, "presence_penalty"),
-             ({"frequency_penalty": 1}, "frequency_penalty"), ({"logprobs": True}, "logprobs"),
-             ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+             ({"frequency_penalty": 1}, "frequency_penalty"), ({"top_logprobs": 2}, "top_logprobs"),
+             ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0]"),
              ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"), ({"stop": 5}, "stop"),
              ({"made_up_field": 1}, "made_up_field")]
     for extra, param in cases:

@@ -263,3 +263,79 @@ def test_run_json_spec_report_and_same_tokens_as_off(pagedchat_cli, model_dirs):
 def test_bad_speculation_flags_are_one_line_errors(pagedchat_cli, model, args, message):
     code, out, err = pagedchat_cli("run", "-m", str(model), "--raw", *args, "hello")
     assert code != 0 and message in err and "Traceback" not in err
+
+
+# -- the draft model -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def bad_draft(tmp_path_factory, model_dirs):
+    """A deliberately bad draft: a 1-layer random llama with another seed, same tokenizer as the targets."""
+    import shutil
+
+    from hf_models import build_model
+
+    path = tmp_path_factory.mktemp("draft") / "bad"
+    build_model("llama", path, seed=7, with_tokenizer=False, num_hidden_layers=1)
+    for f in model_dirs["llama"][0].iterdir():
+        if "token" in f.name or f.suffix == ".jinja":
+            shutil.copy(f, path / f.name)
+    return path
+
+
+def draft_engine(model_dirs, arch, draft, **kw) -> Engine:
+    path, _ = model_dirs[arch]
+    return Engine(EngineConfig(model=str(path), **{"num_blocks": 256, "draft_model": str(draft), **kw}),
+                  show_progress=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_draft_model_greedy_equals_transformers(model_dirs, arch, bad_draft):
+    hf = model_dirs[arch][1]
+    # the target as its own draft: nearly every draft is right, long accepted runs
+    engine = draft_engine(model_dirs, arch, model_dirs[arch][0])
+    assert engine.speculator.stats.method == "draft"
+    check_greedy(engine, hf, repetitive_prompts(3, seed=8))
+    stats = engine.speculator.stats
+    assert stats.accepted_tokens >= 0.9 * stats.proposed_tokens > 0, stats
+    # a bad draft, drafting every step: nearly all rejected, and the tokens do not move
+    engine = draft_engine(model_dirs, arch, bad_draft, num_draft_tokens=4)
+    _pin_depth(engine, 4)
+    check_greedy(engine, hf, repetitive_prompts(3, seed=9))
+    engine.check_invariants()
+    stats = engine.speculator.stats
+    assert stats.proposed_tokens > stats.accepted_tokens
+
+
+def test_draft_model_preempted_and_variants(model_dirs):
+    hf = model_dirs["qwen3"][1]
+    engine = draft_engine(model_dirs, "qwen3", model_dirs["qwen3"][0], num_blocks=10, block_size=8)
+    check_greedy(engine, hf, repetitive_prompts(5, seed=10))
+    assert engine.scheduler.num_preemptions > 0
+    check_greedy(draft_engine(model_dirs, "qwen3", model_dirs["qwen3"][0]), hf, repetitive_prompts(2, seed=11), n=3)
+
+
+def test_draft_with_another_tokenizer_is_refused(pagedchat_cli, model, tmp_path):
+    from hf_models import build_model
+
+    other = tmp_path / "other"
+    build_model("llama", other, with_tokenizer=False, vocab_size=100)
+    code, out, err = pagedchat_cli("run", "-m", str(model), "--raw", "--draft-model", str(other), "hello")
+    assert code != 0 and "Traceback" not in err
+    assert "tokenizer" in err and str(other) in err
+
+
+def test_bench_spec_smoke():
+    import json
+
+    from typer.testing import CliRunner
+
+    from pagedchat.cli import app
+
+    result = CliRunner().invoke(app, ["bench", "spec", "--random", "llama", "--random-size", "tiny", "--batch", "2",
+                                      "--max-tokens", "8", "--repeats", "1", "--device", "cpu", "--json"])
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    r = json.loads(result.stdout)
+    assert [(row["workload"], row["batch"]) for row in r["rows"]] == [
+        (w, b) for b in (1, 2) for w in ("edit", "regen", "plain")]
+    for row in r["rows"]:
+        assert row["off_tok_s"] > 0 and row["spec_tok_s"] > 0 and 0 <= row["acceptance_rate"] <= 1
+        assert row["greedy_identical"] is (None if row["workload"] == "regen" else True), row

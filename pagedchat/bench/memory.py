@@ -139,18 +139,14 @@ class PagedSim:
 
     def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_batched_tokens: int,
                  max_len: int, prefix_cache: bool = True):
-        from types import SimpleNamespace
-
-        import torch
-
         from pagedchat.engine import Engine, EngineConfig
+        from pagedchat.engine.seams import NoModel
 
         config = EngineConfig(model="(simulated)", device="cpu", block_size=block_size, num_blocks=num_blocks,
                               max_num_seqs=max_seqs, max_num_batched_tokens=max_batched_tokens,
                               max_model_len=max_len, enable_prefix_cache=prefix_cache)
-        # What Engine reads of a loaded model: no tokenizer, no EOS, any int is a valid token id.
-        loaded = SimpleNamespace(tokenizer=None, eos_token_ids=[], max_model_len=max_len, path="(simulated)",
-                                 spec=SimpleNamespace(vocab_size=2**62), device=torch.device("cpu"))
+        # no tokenizer, no EOS, any int is a valid token id
+        loaded = NoModel(max_model_len=max_len, vocab_size=2**62, path="(simulated)")
         self.engine = Engine(config, loaded=loaded, runner=BookkeepingRunner(num_blocks))
         self.pool, self.scheduler = self.engine.pool, self.engine.scheduler
         self.failed = 0

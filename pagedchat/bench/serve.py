@@ -155,7 +155,7 @@ async def run_rate(base: str, w: Workload, p: SweepParams, rate: float, rate_ind
                    done) -> dict:
     import httpx
 
-    conversations = [c for c in make_conversations(w, rate, vocab, rate_index) if c.start_s <= p.max_seconds]
+    conversations = offered_conversations(w, p, rate, rate_index, vocab)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(p.timeout_s), limits=limits) as http:
         before = await _wait_idle(http, base)
@@ -250,8 +250,15 @@ def _start_servers(model: Path, p: SweepParams, tmp: Path, stack: ExitStack, ser
     return bases
 
 
+def offered_conversations(w: Workload, p: SweepParams, rate: float, index: int, vocab: int):
+    """The rate's conversations that arrive within --max-seconds; the first always does (a rate whose first
+    arrival falls after the window would otherwise measure nothing)."""
+    conversations = make_conversations(w, rate, vocab, index)
+    return conversations[:1] + [c for c in conversations[1:] if c.start_s <= p.max_seconds]
+
+
 def _offered(w: Workload, p: SweepParams, rate: float, index: int, vocab: int) -> int:
-    return sum(len(c.turns) for c in make_conversations(w, rate, vocab, index) if c.start_s <= p.max_seconds)
+    return sum(len(c.turns) for c in offered_conversations(w, p, rate, index, vocab))
 
 
 def _progress(stack: ExitStack, show: bool, total: int):

@@ -39,6 +39,10 @@ class ChatBackend:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    def check_grammar(self, spec) -> None:
+        """Raises GrammarError (one line) when the engine cannot enforce this grammar."""
+        self.engine.grammars().matcher(spec)
+
     def stop(self) -> None:
         """Ask the running turn to end after the current step (safe from a signal handler)."""
         self.stop_requested = True

@@ -24,7 +24,7 @@ from pagedchat.engine.sampling_params import SETTING_KEYS, SETTING_TYPES
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
 
-SET_KEYS = SETTING_KEYS     # /set takes exactly the sampling settings SamplingParams declares
+SET_KEYS = SETTING_KEYS     # /set takes exactly the sampling settings SamplingParams declares (and speculate, schema)
 FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
 MAX_FORK = MAX_FORK_VARIANTS
 CONTEXT_LEAD = 64           # prompt tokens put before a sibling reply, so a draft can match its start
@@ -53,6 +53,7 @@ class ChatController:
         self.sessions: dict[str, Session] = {}      # resident: all share the engine's pool
         self.current: Session | None = None
         self.last_stats: dict | None = None
+        self.schema: tuple[str, object] | None = None   # (/set schema FILE, its GrammarSpec): replies follow it
 
     @property
     def session(self) -> Session:
@@ -144,8 +145,10 @@ class ChatController:
         if key == "speculate":  # an engine setting, not a sampling one: it applies from the next turn
             self.backend.set_speculation(value.strip().lower())
             return f"speculate = {value.strip().lower()}"
+        if key == "schema":     # a grammar for the replies, not a sampling setting
+            return self._set_schema(value.strip())
         if key not in SET_KEYS:
-            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}, speculate")
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}, speculate, schema")
         s = self.session
         keys = s.set_keys
         if value.strip().lower() == "default":
@@ -162,6 +165,19 @@ class ChatController:
         if key in self.cli.given():
             message += f" (but --{key.replace('_', '-')} {_show(self.cli.given()[key])} on the command line wins)"
         return message
+
+    def _set_schema(self, path: str) -> str:
+        """`/set schema FILE`: every reply is constrained to this JSON schema (checked now, so an unsupported
+        one is refused here); `/set schema default` (or off) lifts it."""
+        if path.lower() in ("default", "off"):
+            self.schema = None
+            return "schema off: replies are free text"
+        from pagedchat.engine.grammar import GrammarSpec
+
+        spec = GrammarSpec.from_schema_file(path)
+        self.backend.check_grammar(spec)
+        self.schema = (path, spec)
+        return f"schema = {path}: every reply is JSON valid for it"
 
     def set_system(self, text: str | None) -> str:
         """A new system prompt starts a new branch from the top (the old conversation stays in the tree)."""
@@ -275,6 +291,7 @@ class ChatController:
         """Sampling for a turn. Variants (n > 1) and regenerations (vary) at temperature 0 would all be the
         same reply, so they sample at the model's own temperature (or FORK_TEMPERATURE) and say so."""
         params, sources = self.sampling(n)
+        params = params.with_(grammar=self.schema[1] if self.schema else None)
         notes = []
         if (n > 1 or vary) and params.temperature == 0:
             lower = self.entry.sampling_defaults().get("temperature")

@@ -36,7 +36,7 @@ class Session:
     head: int | None = None
     last_fork: list[int] = field(default_factory=list)  # node ids of the newest /fork's variants (for /pick)
     tree: Tree = field(default_factory=Tree)
-    handles: dict = field(default_factory=dict, repr=False)  # node id -> pinned engine sequence (not saved)
+    handles: dict = field(default_factory=dict, repr=False)  # node id -> pinned engine Branch (not saved)
     set_keys: set = field(default_factory=set, repr=False)   # settings changed with /set in this run
 
     # -- the current branch ---------------------------------------------------------------------------------

@@ -84,6 +84,10 @@ def throughput(
     systems: str = typer.Option("pagedchat,hf-generate,hf-cb", "--systems", help="Comma-separated subset."),
     repeats: int = typer.Option(1, "--repeats", help="Runs per system, taking turns; the median counts."),
     profile: bool = typer.Option(False, "--profile", help="Also profile pagedchat's steps (where time goes)."),
+    batch1: bool = typer.Option(True, "--batch1/--no-batch1", help="Also time batch-1 decode, 512-token prefill "
+                                                                   "and `run` start-up (CPU)."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="llama.cpp: add it to the batch-1 rows (F32, F16, "
+                                                           "Q8_0 via llama-cpp-python; skipped if not installed)."),
     device: str = DEVICE,
     dtype: str = DTYPE,
     threads: Optional[int] = THREADS,
@@ -110,11 +114,20 @@ def throughput(
                                       systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
                                       repeats=repeats, seed=seed, threads=_threads(threads, device),
                                       profile=profile)
+        if batch1 and device == "cpu":
+            result["batch1"] = _batch1_rows(path, threads, repeats, peer, seed)
     if plot:
         plot_throughput(result, plot)
         result["plot"] = plot
     _stamp(result)
-    print_json(result) if as_json else print_throughput_report(result)
+    if as_json:
+        print_json(result)
+        return
+    print_throughput_report(result)
+    if "batch1" in result:
+        from pagedchat.bench.batch1 import print_batch1_report
+
+        print_batch1_report(result["batch1"])
 
 
 @bench.command("chat", help="Multi-turn TTFT as the history grows (pinned history vs transformers re-prefill) "
@@ -252,6 +265,48 @@ def serve(
     print_json(result) if as_json else print_serve_report(result)
 
 
+@bench.command("spec", help="Speculative decoding: decode tokens/s with and without it on the same prompts, one "
+                            "run: edit-like, regenerate and plain workloads at batch 1 and a larger batch.")
+def spec(
+    model: Optional[str] = MODEL,
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = typer.Option("small", "--random-size", help="tiny, small or 1b."),
+    method: str = typer.Option("ngram", "--speculate", help="ngram or draft (with --draft-model)."),
+    draft_model: Optional[str] = typer.Option(None, "--draft-model", help="Draft model for --speculate draft."),
+    batch: int = typer.Option(16, "--batch", help="The larger batch (batch 1 always runs)."),
+    max_tokens: int = typer.Option(128, "--max-tokens", help="New tokens per request (EOS ignored)."),
+    num_draft_tokens: int = typer.Option(6, "--num-draft-tokens", help="Most drafts per sequence and step."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per side, taking turns; the median counts."),
+    device: str = DEVICE,
+    threads: Optional[int] = THREADS,
+    seed: int = SEED,
+    as_json: bool = JSON,
+    plot: Optional[str] = PLOT,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat.bench.common import print_json
+    from pagedchat.bench.models import resolve_device, resolve_model
+    from pagedchat.bench.spec import plot_spec, print_spec_report, run_spec_bench
+
+    device = resolve_device(device)
+    plot = _plot_path(plot)
+    if method not in ("ngram", "draft"):
+        raise UserError(f"--speculate must be ngram or draft here, got {method!r}")
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, random_arch, random_size, Path(tmp))
+        draft = str(resolve_model(draft_model, None, random_size, Path(tmp))[0]) if draft_model else None
+        result = run_spec_bench(path, name, method, batches=(1, batch) if batch > 1 else (1,),
+                                max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, repeats=repeats,
+                                device=device, threads=_threads(threads, device), seed=seed, draft_model=draft)
+    if plot:
+        plot_spec(result, plot)
+        result["plot"] = plot
+    _stamp(result)
+    print_json(result) if as_json else print_spec_report(result)
+
+
 def _stamp(result: dict) -> None:
     """Provenance for every number: the exact command line, the date and the machine."""
     import datetime
@@ -263,6 +318,17 @@ def _stamp(result: dict) -> None:
     result["command"] = "pagedchat " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result["date"] = datetime.date.today().isoformat()
     result.setdefault("machine", machine_description())
+
+
+def _batch1_rows(path, threads: Optional[int], repeats: int, peer: Optional[str], seed: int) -> dict:
+    from pagedchat.bench.batch1 import run_batch1_bench, startup_times
+
+    if peer not in (None, "llama.cpp"):
+        raise UserError(f"--peer must be llama.cpp, got {peer!r}")
+    count = _threads(threads, "cpu") or 1
+    rows = run_batch1_bench(path, count, repeats=repeats, peer=peer, seed=seed)
+    rows["startup"] = startup_times(count, max(3, repeats))
+    return rows
 
 
 def _threads(threads: Optional[int], device: str) -> Optional[int]:

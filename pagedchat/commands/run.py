@@ -49,6 +49,10 @@ def run(
     draft_model: Optional[str] = common.DRAFT_MODEL,
     kv_disk: Optional[str] = common.KV_DISK,
     kv_ram: Optional[str] = common.KV_RAM,
+    logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
+                                           help="With --json: each output token's logprob and N alternatives."),
+    json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE",
+                                               help="Constrain every output to this JSON schema."),
 ) -> None:
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
@@ -59,6 +63,10 @@ def run(
                                       stop=stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")
+    if logprobs is not None and (not as_json or session is not None or continue_last):
+        raise UserError("--logprobs is reported in --json output: add --json (not with --session/-c)")
+    if json_schema is not None and (session is not None or continue_last):
+        raise UserError("--json-schema is for one-shot prompts, not --session/-c (in chat: /set schema FILE)")
     if file is not None and prompt is not None:
         raise UserError("give a prompt or --file, not both")
     if session is not None or continue_last:
@@ -67,6 +75,7 @@ def run(
         text = _prompt_text(prompt)
         code = run_in_session(model_opts, sampling, text, session, continue_last, system, num_variants, as_json)
         raise typer.Exit(code)
+    grammar = _schema_grammar(json_schema)
     jobs = _read_batch(file) if file is not None else [{"prompt": _prompt_text(prompt)}]
     engine, entry = common.load_engine(model_opts, show_progress=not as_json)
     default_system = system if system is not None else entry.get("system_prompt").value
@@ -74,7 +83,8 @@ def run(
     for i, job in enumerate(jobs):
         overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
         params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
-        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants)
+        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, logprobs=logprobs,
+                              grammar=grammar)
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
@@ -83,6 +93,14 @@ def run(
     finally:
         engine.close()  # the prompts' KV goes to the disk tier: the next run with the same prefix loads it
     raise typer.Exit(code)
+
+
+def _schema_grammar(path: Path | None):
+    if path is None:
+        return None
+    from pagedchat.engine.grammar import GrammarSpec
+
+    return GrammarSpec.from_schema_file(path)
 
 
 def _prompt_text(prompt: str | None) -> str:
@@ -203,9 +221,14 @@ def _print_plain(outputs, batch: bool) -> None:
 
 
 def _json_report(engine, model_name, outputs, batch, start, first_token_at, total) -> dict:
+    def output(v):
+        item = {"text": v.text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
+        if v.logprobs is not None:
+            item["logprobs"] = _logprobs_json(engine.tokenizer, v.logprobs)
+        return item
+
     def result(out):
-        return {"outputs": [{"text": v.text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
-                            for v in out.outputs],
+        return {"outputs": [output(v) for v in out.outputs],
                 "usage": {"prompt_tokens": out.num_prompt_tokens,
                           "completion_tokens": sum(len(v.token_ids) for v in out.outputs)}}
 
@@ -228,3 +251,10 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
     if any(o.error for o in outputs):
         report["errors"] = [o.error for o in outputs]
     return report
+
+
+def _logprobs_json(tokenizer, entries) -> list[dict]:
+    def item(token_id: int, logprob: float) -> dict:
+        return {"token": tokenizer.decode([token_id]), "token_id": token_id, "logprob": logprob}
+
+    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]

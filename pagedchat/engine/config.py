@@ -44,7 +44,8 @@ class EngineConfig:
     block_size: int = 16
     kv_memory: int | str | None = None  # bytes, '512MiB', or '40%' of free memory; None = kv_fraction
     kv_fraction: float | None = None  # of free memory (CUDA: after weights and a profiled forward);
-                                      # None = 0.9 on CUDA, 512MiB on CPU
+                                      # None = 0.9 on CUDA; on CPU 512MiB, capped at max_num_seqs
+                                      # full contexts
     num_blocks: int | None = None   # exact pool size in blocks (tests, benchmarks); overrides kv_memory
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     max_num_seqs: int = 256         # running sequences per step

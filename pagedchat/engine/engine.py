@@ -27,10 +27,12 @@ import torch
 
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
+from pagedchat.engine.grammar import Grammars
 from pagedchat.engine.kv_tiers import KVTiers, build_tiers
+from pagedchat.engine.logprobs import TokenLogprob, reduce_rows
 from pagedchat.engine.output_processor import OutputProcessor
 from pagedchat.engine.outputs import Branch, CompletionOutput, EngineStats, RequestOutput, TokenEvent
-from pagedchat.engine.runner import ModelRunner
+from pagedchat.engine.runner import ModelRunner, kv_bytes_per_block
 from pagedchat.engine.sampler import Sampler, variant_generator
 from pagedchat.engine.sampling_params import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
@@ -56,7 +58,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = set(self.loaded.eos_token_ids)
         self.max_model_len = self.loaded.max_model_len
-        self.runner = runner or ModelRunner(self.loaded, config)
+        self.draft = self._load_draft(config, show_progress)
+        self.runner = runner or ModelRunner(self.loaded, config, self._draft_bytes_per_block(config))
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
         self.tiers = tiers if tiers is not None else self._build_tiers()
         if self.tiers is not None:
@@ -71,6 +74,17 @@ class Engine:
         self.set_speculation(config.speculate)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._grammars: Grammars | None = None
+
+    def _load_draft(self, config: EngineConfig, show_progress: bool) -> LoadedModel | None:
+        if not config.draft_model:
+            return None
+        from pagedchat.engine.draft import load_draft
+
+        return load_draft(config, self.loaded, show_progress)
+
+    def _draft_bytes_per_block(self, config: EngineConfig) -> int:
+        return kv_bytes_per_block(self.draft, config.block_size) if self.draft is not None else 0
 
     def set_speculation(self, method: str) -> None:
         """Switch speculative decoding between steps: off, ngram, or draft (needs the config's draft model).
@@ -80,7 +94,7 @@ class Engine:
             return
         if method not in ("ngram", "draft"):
             raise UserError(f"speculate must be ngram, draft or off, got {method!r}")
-        if method == "draft" and not self.config.draft_model:
+        if method == "draft" and self.draft is None:
             raise UserError("speculate draft needs a draft model: start with --draft-model NAME|PATH")
         if method not in self._speculators:
             if method == "ngram":
@@ -88,7 +102,7 @@ class Engine:
             else:
                 from pagedchat.engine.draft import DraftProposer
 
-                proposer = DraftProposer(self.config, self)
+                proposer = DraftProposer(self.draft, self.config, self.runner.num_blocks, self.loaded.spec.vocab_size)
             self._speculators[method] = Speculator(method, self.config.num_draft_tokens, proposer,
                                                    self.max_model_len)
         self.speculator = self._speculators[method]
@@ -142,6 +156,20 @@ class Engine:
             raise RequestError(f"model {self.loaded.path} has no tokenizer: pass token ids")
         return list(self.tokenizer(text).input_ids)
 
+    def grammars(self) -> Grammars:
+        """The structured-output backend, built on first use (it loads llguidance and wraps the tokenizer)."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.loaded.spec.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    def _matcher(self, params: SamplingParams, inherit: Sequence | None = None):
+        """The grammar state a new sequence starts in: a copy of `inherit`'s when it follows the same grammar."""
+        if params.grammar is None:
+            return None
+        if inherit is not None and inherit.matcher is not None and inherit.request.params.grammar == params.grammar:
+            return inherit.matcher.deep_copy()
+        return self.grammars().matcher(params.grammar)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, keep: bool = False, parent: Branch | None = None,
                     context: list[list[int]] | None = None) -> str:
@@ -155,8 +183,10 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        matcher = self._matcher(params)          # an unsupported grammar fails here, before anything is queued
         request = Request(request_id, ids, params, keep=keep, context=list(context or []))
         seq = Sequence(request, 0, ids)
+        seq.matcher = matcher
         seq.generator = variant_generator(params.seed, 0, self.device)
         pinned = _sequence(parent)
         seq.parent = pinned if pinned is not None and pinned.status == SeqStatus.PINNED else None
@@ -189,7 +219,8 @@ class Engine:
         every block; the first write into the shared partial block copies that one block."""
         handle = _sequence(source)
         assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
-        params = (params or handle.request.params).with_(n=1)
+        # a fork starts from computed KV: there is no prompt left to score or pool
+        params = (params or handle.request.params).with_(n=1, prompt_logprobs=None, embed=False)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
         child = self._fork_sequence(handle, request, 0)
@@ -278,15 +309,33 @@ class Engine:
         now = time.perf_counter()
         if samplers:
             logits, samplers = self._fork_variants(logits, samplers)
-            tokens = self.sampler(logits, samplers)
-            for seq, token in zip(samplers, tokens):
+            scores = self.sampler.scores(logits, samplers)
+            matchers = [s.matcher for s in samplers]
+            allowed = self.grammars().mask(scores, matchers) if any(m is not None for m in matchers) else scores
+            tokens = self.sampler.pick(allowed, samplers)
+            logprobs = self._token_logprobs(scores, samplers, tokens)
+            for seq, token, logprob in zip(samplers, tokens, logprobs):
                 if seq.spec is not None:
                     self.speculator.record(seq, 0, 0, 1)
-                events.append(self._append_tokens(seq, [token], now))
-        for seq, rows in verified:
+                events.append(self._append_tokens(seq, [token], now, logprob=logprob))
+        for seq, rows in verified:   # never a grammar or logprobs request: those do not speculate
             tokens, accepted = self.speculator.verify(seq, rows)
             events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
+
+    def _token_logprobs(self, scores: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
+        """Each chosen token's log-probability and top alternatives, for the rows that ask (else None)."""
+        rows = [i for i, s in enumerate(seqs) if s.request.params.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        if not rows:
+            return out
+        k = max(seqs[i].request.params.logprobs for i in rows)
+        index = torch.tensor(rows, device=scores.device)
+        chosen = torch.tensor([tokens[i] for i in rows], device=scores.device)
+        for i, reduced in zip(rows, reduce_rows(scores[index], chosen, k)):
+            reduced.top = reduced.top[:seqs[i].request.params.logprobs]
+            out[i] = reduced
+        return out
 
     @staticmethod
     def _split_drafted(logits: torch.Tensor, samplers: list[Sequence]):
@@ -311,6 +360,7 @@ class Engine:
         child.block_hashes = list(parent.block_hashes)
         child.num_computed = parent.num_computed
         child.generator = variant_generator(request.params.seed, index, self.device)
+        child.matcher = self._matcher(request.params, inherit=parent)
         request.sequences.append(child)
         return child
 
@@ -333,12 +383,15 @@ class Engine:
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, seqs
 
-    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float, accepted: int | None = None) -> TokenEvent:
+    def _append_tokens(self, seq: Sequence, tokens: list[int], now: float, accepted: int | None = None,
+                       logprob: TokenLogprob | None = None) -> TokenEvent:
         """Append sampled tokens (several after a verified draft run) until one of them finishes the sequence.
         accepted: how many of them are drafts whose KV the step wrote; the pool is rolled back to those
-        before the sequence can finish, be pinned or be forked."""
-        request = seq.request
+        before the sequence can finish, be pinned or be forked. logprob: the one sampled token's, if asked."""
+        request, params = seq.request, seq.request.params
         request.first_token_time = request.first_token_time or now
+        if logprob is not None:
+            seq.logprobs.append(logprob)
         start, reason, added = seq.num_tokens, None, []
         for token in tokens:
             added.append(token)
@@ -355,7 +408,10 @@ class Engine:
             if request.finished:
                 request.finish_time = now
         text = self.output.take_visible(seq, finished=reason is not None)
-        return TokenEvent(request.request_id, seq.index, added, text, reason)
+        prompt_logprobs = list(request.prompt_logprobs) \
+            if params.prompt_logprobs is not None and seq.num_output_tokens == 1 else None
+        return TokenEvent(request.request_id, seq.index, added, text, reason,
+                          logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs)
 
     def _fail(self, seq: Sequence) -> TokenEvent:
         """One sequence that cannot fit even alone in the pool (the scheduler already freed it) fails alone:
@@ -375,13 +431,18 @@ class Engine:
     # -- outputs --------------------------------------------------------------------------------------------
     def get_output(self, request_id: str) -> RequestOutput:
         r = self.requests[request_id]
+        wants_logprobs = r.params.logprobs is not None
         outputs = [CompletionOutput(s.index, s.output_ids, s.text, s.finish_reason,
-                                    Branch(s) if s.status == SeqStatus.PINNED else None, s.error)
+                                    Branch(s) if s.status == SeqStatus.PINNED else None, s.error,
+                                    list(s.logprobs) if wants_logprobs else None)
                    for s in sorted(r.sequences, key=lambda s: s.index)]
         ttft = r.first_token_time - r.arrival_time if r.first_token_time else None
         total = r.finish_time - r.arrival_time if r.finish_time else None
+        prompt_logprobs = list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
+        embedding = (r.hidden_sum / r.pooled).float().tolist() if r.params.embed and r.pooled else None
         return RequestOutput(r.request_id, r.prompt_token_ids, outputs, r.finished, r.prefix_hit_tokens or 0,
-                             ttft, total, r.error, r.ram_hit_tokens, r.disk_hit_tokens)
+                             ttft, total, r.error, prompt_logprobs, embedding, r.ram_hit_tokens,
+                             r.disk_hit_tokens)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """The output; a finished request is forgotten (its id can be reused)."""
@@ -412,6 +473,9 @@ class Engine:
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.scheduler.all_tables())
+        draft = self._speculators.get("draft")
+        if draft is not None:
+            draft.proposer.pool.check_invariants(draft.proposer.tables())
 
 
 def _sequence(handle: Branch | Sequence | None) -> Sequence | None:

@@ -21,8 +21,13 @@ class OutputProcessor:
         seq.token_ids.append(token)
         shown = len(seq.text)
         decode_new_text(self.tokenizer, seq)
+        if seq.matcher is not None:
+            accepted = seq.matcher.consume_token(token)
+            assert accepted, f"a masked token was refused by the grammar: {seq.matcher.get_error()}"
         if not params.ignore_eos and token in self.eos_token_ids or token in params.stop_token_ids:
             return "stop"
+        if seq.matcher is not None and seq.matcher.is_stopped():
+            return "stop"             # the grammar is complete: nothing more may follow
         if self._cut_at_stop_string(seq, shown):
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagedchat.engine.block_pool import PoolStats
+from pagedchat.engine.logprobs import TokenLogprob
 from pagedchat.engine.sequence import Sequence, SeqStatus
 
 
@@ -59,6 +60,8 @@ class TokenEvent:
     text: str                  # new text this step (held back while it could still become a stop string)
     finish_reason: str | None = None   # stop | length | abort | error
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # for token_ids, when the request asks for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None   # on a variant's first token, when asked for (echo)
 
 
 @dataclass
@@ -69,6 +72,7 @@ class CompletionOutput:
     finish_reason: str | None
     handle: Branch | None = None       # pinned branch (keep=True): pass as `parent` to continue from it
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when asked for
 
     @property
     def token_ids_all(self) -> list[int]:
@@ -86,6 +90,8 @@ class RequestOutput:
     ttft_s: float | None
     total_s: float | None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None   # for prompt tokens 1.. (echo), when asked for
+    embedding: list[float] | None = None   # embed: mean of the prompt's last-layer hidden states (final norm)
     ram_hit_tokens: int = 0                # of prefix_hit_tokens: loaded from the host-RAM tier
     disk_hit_tokens: int = 0               # of prefix_hit_tokens: loaded from the disk tier
 

@@ -9,6 +9,7 @@ import torch
 
 from pagedchat import kernels
 from pagedchat.engine.config import EngineConfig
+from pagedchat.engine.logprobs import score_prompt_chunk
 from pagedchat.engine.scheduler import ScheduledBatch
 from pagedchat.engine.sequence import Sequence
 from pagedchat.errors import SettingError
@@ -23,20 +24,29 @@ def _available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+    spec = loaded.spec
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim \
+        * torch.empty((), dtype=loaded.dtype).element_size()
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, extra_bytes_per_block: int = 0):
+        """extra_bytes_per_block: what each block also costs elsewhere (a draft model's KV for as many
+        tokens), so the memory budget is split between the two by bytes per token."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = config.block_size
         spec = loaded.spec
-        self.bytes_per_block = 2 * spec.num_layers * config.block_size * spec.num_kv_heads * spec.head_dim \
-            * torch.empty((), dtype=loaded.dtype).element_size()
-        self.num_blocks = self._num_blocks(config)
+        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size)
+        self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
         shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
-        # Zero-filled: the torch path reads padded slots (masked, but 0 * NaN would still be NaN).
-        self.k_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
+        # Not zero-filled: no path reads a slot before it is written, or it masks what it reads (past a
+        # sequence's end, whatever the memory holds, NaN included: tests poison the pool to prove it). On CPU
+        # the untouched pages of a large pool then cost nothing at all.
+        self.k_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.v_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
         backend = "torch" if self.device.type == "cpu" else "auto"
         for layer, k, v in zip(self.model.attention_layers(), self.k_caches, self.v_caches):
             layer.k_cache, layer.v_cache, layer.backend = k, v, backend
@@ -45,21 +55,27 @@ class ModelRunner:
         if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
 
-    def _num_blocks(self, config: EngineConfig) -> int:
+    def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:
             assert config.num_blocks > 0
             return config.num_blocks
         budget = config.kv_memory
         if budget is None and self.device.type == "cuda":
             budget = self._free_memory_budget(config)
+        elif budget is None and config.kv_fraction is None:
+            budget = min(CPU_DEFAULT_KV_BYTES,
+                         self._usable_blocks(config) * (self.bytes_per_block + extra_bytes_per_block))
         elif budget is None:
-            budget = CPU_DEFAULT_KV_BYTES if config.kv_fraction is None else \
-                int(_available_ram() * config.kv_fraction)
-        num_blocks = budget // self.bytes_per_block
+            budget = int(_available_ram() * config.kv_fraction)
+        num_blocks = budget // (self.bytes_per_block + extra_bytes_per_block)
         if num_blocks < 1:
             raise SettingError("kv_memory", f"{{name}} {budget} bytes holds no KV block: one block of "
                                             f"{self.block_size} tokens needs {self.bytes_per_block} bytes")
         return int(num_blocks)
+
+    def _usable_blocks(self, config: EngineConfig) -> int:
+        """Blocks the default CPU pool can ever fill: every running sequence at the full context."""
+        return -(-self.loaded.max_model_len // self.block_size) * config.max_num_seqs
 
     def _free_memory_budget(self, config: EngineConfig) -> int:
         """What is left for the pool after the weights and a profiled forward of a full step."""
@@ -132,10 +148,38 @@ class ModelRunner:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)
+        self._score_prompts(batch, hidden)
         if not sample_rows:
             return None, []
         rows = torch.tensor(sample_rows, device=self.device)
         return self.model.compute_logits(hidden[rows]), samplers
+
+    def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
+        """Prompt log-probabilities (echo) of this step's prefill chunks, reduced per chunk: row p scores
+        prompt token p + 1. A re-prefill after preemption skips the positions already scored."""
+        row = 0
+        for seq, n in batch.items:
+            k, request = seq.request.params.prompt_logprobs, seq.request
+            first = max(seq.num_computed, len(request.prompt_logprobs))
+            last = min(seq.num_computed + n, seq.num_prompt_tokens - 1)
+            if k is not None and first < last:
+                rows = hidden[row + first - seq.num_computed: row + last - seq.num_computed]
+                targets = seq.token_ids[first + 1:last + 1]
+                request.prompt_logprobs.extend(score_prompt_chunk(self.model.compute_logits, rows, targets, k))
+            if request.params.embed:
+                self._pool_prompt(seq, hidden[row:row + n])
+            row += n
+
+    @staticmethod
+    def _pool_prompt(seq: Sequence, rows: torch.Tensor) -> None:
+        """Embeddings: add this chunk's prompt positions (not pooled yet) to the request's running sum."""
+        request = seq.request
+        first = max(seq.num_computed, request.pooled)
+        last = min(seq.num_computed + rows.shape[0], seq.num_prompt_tokens)
+        if first < last:
+            chunk = rows[first - seq.num_computed:last - seq.num_computed].double().sum(dim=0)
+            request.hidden_sum = chunk if request.hidden_sum is None else request.hidden_sum + chunk
+            request.pooled = last
 
     def _prepare(self, batch: ScheduledBatch):
         """Flatten the batch into token, position and slot vectors (built as Python lists: per-sequence

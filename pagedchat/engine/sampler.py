@@ -54,11 +54,20 @@ def _filter(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        return self.pick(self.scores(logits, seqs), seqs)
+
+    def scores(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """The model's scores as the request sees them: fp32, repetition penalty applied (log-probabilities
+        are taken from these, before temperature and truncation)."""
         assert logits.shape[0] == len(seqs)
         logits = logits.float()
         if any(s.request.params.repetition_penalty != 1.0 for s in seqs):
             logits = logits.clone()  # the runner's logits are inference tensors: no in-place update on them
             apply_repetition_penalty(logits, seqs)
+        return logits
+
+    def pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Greedy rows take the argmax; the others sample after temperature, top-k, top-p and min-p."""
         tokens = logits.argmax(dim=-1)
         random_rows = [i for i, s in enumerate(seqs) if not s.request.params.greedy]
         if random_rows:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
+from pagedchat.engine.grammar import GrammarSpec
+from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
 from pagedchat.errors import UserError
 
 
@@ -29,6 +31,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1                      # variants: the prompt is prefilled once, the n children are forks
+    logprobs: int | None = None     # per generated token: its logprob and this many alternatives (0 = none)
+    prompt_logprobs: int | None = None   # the same for every prompt token (echo); turns off prefix reuse
+    grammar: GrammarSpec | None = None   # structured output: every token is masked to what it allows
+    embed: bool = False             # also mean-pool the prompt's last hidden states (turns off prefix reuse)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -43,6 +49,10 @@ class SamplingParams:
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.n >= 1, f"n (variants) must be >= 1, got {self.n}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
+             f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -58,6 +68,9 @@ class SamplingParams:
                 raise UserError(f"{name} must be finite, got {getattr(self, name)}")
         for name in ("top_k", "max_tokens", "n"):
             if not _is_number(getattr(self, name), int):
+                raise UserError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and not _is_number(getattr(self, name), int):
                 raise UserError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.seed is not None and not _is_number(self.seed, int):
             raise UserError(f"seed must be an integer, got {self.seed!r}")

@@ -99,7 +99,7 @@ class Scheduler:
             seq = self.waiting[0]
             if not seq.block_table:
                 self._match_prefix(seq)
-            if pending and self._next_block_hash(seq) in pending:
+            if pending and seq.reuses_prefix and self._next_block_hash(seq) in pending:
                 self._release(seq)  # its next block is being computed right now: share it next step
                 break
             n = min(seq.num_tokens - seq.num_computed, budget)
@@ -186,7 +186,9 @@ class Scheduler:
         limit = seq.num_tokens - 1  # the last token is always computed: its logits are sampled
         parent = seq.parent
         seq.tier_hits = (0, 0)
-        if parent is not None and parent.status == SeqStatus.PINNED:
+        if not seq.reuses_prefix:
+            seq.num_computed = 0
+        elif parent is not None and parent.status == SeqStatus.PINNED:
             k = _common_prefix(tokens, parent.token_ids, min(parent.num_computed, limit))
             seq.block_table = self.pool.fork_table(parent.block_table[: self.blocks_for(k)])
             seq.block_hashes = parent.block_hashes[: k // bs]

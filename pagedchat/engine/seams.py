@@ -4,6 +4,7 @@ what the engine reads of them."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -34,3 +35,24 @@ class StepRunner(Protocol):
         """Run one scheduled batch: logits for the sequences that sample this step, and those sequences
         (in row order); (None, []) when no sequence finished its prompt this step."""
         ...
+
+
+@dataclass
+class VocabSpec:
+    vocab_size: int
+
+
+@dataclass
+class NoModel:
+    """A ModelSource with no model behind it: token ids only (no tokenizer), any id below vocab_size is
+    valid. The model-free runners of the property tests and the memory benchmark pair with it."""
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    path: str = "(no model)"
+    tokenizer: None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def spec(self) -> VocabSpec:
+        return VocabSpec(self.vocab_size)

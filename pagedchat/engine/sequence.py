@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedchat.engine.logprobs import TokenLogprob
 from pagedchat.engine.sampling_params import SamplingParams
 
 
@@ -42,6 +43,8 @@ class Sequence:
         self.emitted = 0                    # characters of text already streamed
         self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
         self.detok_stream = None            # fast-tokenizer DecodeStream
+        self.logprobs: list[TokenLogprob] = []   # one per output token when the request asks for logprobs
+        self.matcher = None                 # llguidance matcher of the request's grammar, at this output
         self.draft_ids: list[int] = []      # proposed tokens verified in this step (speculative decoding)
         self.spec = None                    # speculative.SpecState: acceptance history, n-gram index
 
@@ -56,6 +59,13 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Prompt log-probabilities and embeddings need every prompt position's hidden state: no cached
+        prefix then."""
+        params = self.request.params
+        return params.prompt_logprobs is None and not params.embed
 
     @property
     def is_finished(self) -> bool:
@@ -81,6 +91,10 @@ class Request:
     disk_hit_tokens: int = 0             # of those, loaded from the disk tier
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
+    # prompt_logprobs[i] scores prompt token i + 1 (the first token has no context to be scored against)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    hidden_sum: torch.Tensor | None = None   # embed: sum of the prompt's last hidden states so far (fp64)
+    pooled: int = 0                          # prompt positions in hidden_sum
     context: list[list[int]] = field(default_factory=list)  # related token streams the n-gram drafts search
 
     @property

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from pagedchat.model.attention import AttentionMetadata, PagedAttention
-from pagedchat.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from pagedchat.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
@@ -64,8 +64,8 @@ class Attention(nn.Module):
         self.spec = spec
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         if spec.qk_norm:
             self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
             self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -74,22 +74,25 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         s = self.spec
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k.contiguous(), v.contiguous(), meta)
+            q = self.q_norm(qkv[:, :self.q_size].view(-1, s.num_heads, s.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, s.num_kv_heads, s.head_dim))
+            q, k = self.rotary(positions, q, k)
+        else:  # q and k heads side by side: one rotary pass over both
+            qk = self.rotary.rotate(positions, qkv[:, :self.q_size + self.kv_size].view(
+                -1, s.num_heads + s.num_kv_heads, s.head_dim))
+            q, k = qk[:, :s.num_heads], qk[:, s.num_heads:]
+        out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, spec: ArchSpec):
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,10 +118,10 @@ class LlamaFamilyModel(nn.Module):
     def __init__(self, spec: ArchSpec, rotary: RotaryEmbedding):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, rotary) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = rotary
 

@@ -11,8 +11,10 @@ import torch
 
 from pagedchat.dtypes import DTYPES
 from pagedchat.errors import ModelLoadError, SettingError
+from pagedchat.model.hf_config import read_config
 from pagedchat.model.layers import RotaryEmbedding
 from pagedchat.model.llama import SUPPORTED_ARCHITECTURES, ArchSpec, LlamaFamilyModel
+from pagedchat.model.tokenizer import load_fast_tokenizer
 
 
 
@@ -96,12 +98,10 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_config(model_dir: Path, trust_remote_code: bool = False):
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {str(e).splitlines()[0]}") from None
+    """config.json as attributes: read directly for the families checked against transformers, else AutoConfig."""
+    config = None if trust_remote_code else read_config(model_dir / "config.json")
+    if config is None:
+        config = _auto_config(model_dir, trust_remote_code)
     arch = (getattr(config, "architectures", None) or [None])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {model_dir}; supported: "
@@ -109,14 +109,30 @@ def load_config(model_dir: Path, trust_remote_code: bool = False):
     return config
 
 
-def load_tokenizer(model_dir: Path, trust_remote_code: bool = False, chat_template: str | None = None):
-    """The folder's tokenizer (None when it has none); chat_template replaces the folder's template."""
-    from transformers import AutoTokenizer
+def _auto_config(model_dir: Path, trust_remote_code: bool):
+    from transformers import AutoConfig
 
+    try:
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except Exception as e:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {str(e).splitlines()[0]}") from None
+    return config
+
+
+def load_tokenizer(model_dir: Path, trust_remote_code: bool = False, chat_template: str | None = None):
+    """The folder's tokenizer (None when it has none); chat_template replaces the folder's template. The
+    `tokenizers`-only tokenizer where it is exact, else transformers' AutoTokenizer."""
     has_files = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
                                                         "tokenizer_config.json"))
     if not has_files:
         return None
+    tokenizer = None if trust_remote_code else load_fast_tokenizer(model_dir)
+    if tokenizer is not None:
+        if chat_template:
+            tokenizer.chat_template = chat_template
+        return tokenizer
+    from transformers import AutoTokenizer
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
     except Exception as e:
@@ -160,6 +176,23 @@ def _param_target(name: str, spec: ArchSpec) -> tuple[str, int, int] | None:
         fused, offset, rows = shards[parts[-2]]
         return ".".join(parts[:-2] + [fused, parts[-1]]), offset, rows
     return name, 0, -1
+
+
+def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialized storage (the checkpoint fills it). Not
+    Module.to_empty: on meta tensors that runs torch's Python reference ops, which import sympy (0.5 s)."""
+    made: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is None:
+                    continue
+                if id(tensor) not in made:
+                    kind = dtype if tensor.dtype.is_floating_point else tensor.dtype
+                    fresh = torch.empty(tuple(tensor.shape), dtype=kind, device=device)
+                    made[id(tensor)] = torch.nn.Parameter(fresh, requires_grad=False) \
+                        if isinstance(tensor, torch.nn.Parameter) else fresh
+                table[name] = made[id(tensor)]
 
 
 def load_weights(model: LlamaFamilyModel, files: list[Path], show_progress: bool) -> None:
@@ -247,8 +280,8 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model
         limit = max_model_len
     rotary = RotaryEmbedding(config, spec.head_dim, limit, device=dev)
     with torch.device("meta"):
-        model = LlamaFamilyModel(spec, rotary).to(torch_dtype)
-    model = model.to_empty(device=dev)
+        model = LlamaFamilyModel(spec, rotary)
+    materialize(model, torch_dtype, dev)
     model.tie_weights()
     load_weights(model, files, show_progress)
     model.eval().requires_grad_(False)

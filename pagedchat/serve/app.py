@@ -7,8 +7,10 @@ format and TokenEvents/RequestOutputs. A client that goes away has its requests 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hmac
 import json
+import struct
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -20,12 +22,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedchat.engine import SamplingParams
+from pagedchat.engine.grammar import GrammarError
 from pagedchat.engine.sampling_params import SETTING_KEYS
 from pagedchat.errors import ContextTooLong, PoolTooSmall, UserError
+from pagedchat.serve import tools
 from pagedchat.serve.async_engine import AsyncEngine, Done, GroupFailed, RequestGroup, Token
-from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_messages,
-                                      check_extra_fields, completion_prompts, error_payload, stop_strings,
-                                      validation_error)
+from pagedchat.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
+from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
+                                      chat_messages, check_extra_fields, completion_prompts, error_payload,
+                                      response_grammar, stop_strings, validation_error)
 
 # request fields read by their setting name (max_tokens and stop arrive in OpenAI's own shapes)
 SAMPLING_FIELDS = tuple(k for k in SETTING_KEYS if k not in ("max_tokens", "stop"))
@@ -116,14 +121,30 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         if settings.system_prompt and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": settings.system_prompt})
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, settings)
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        top = body.top_logprobs or 0
+        params = params.with_(logprobs=top if body.logprobs else None)
+        tokenizer = aengine.engine.tokenizer
+        offered, forced = tools.chosen_tools(tools.checked_tools(body.tools), body.tool_choice)
+        family = tools.family_of(getattr(tokenizer, "chat_template", None))
+        template_kwargs = dict(settings.template_kwargs or {}, **({"tools": offered} if offered else {}))
+        if forced:
+            if params.grammar is not None:
+                raise APIError(400, "tool_choice required or named cannot be combined with response_format",
+                               param="tool_choice")
+            params = params.with_(grammar=tools.call_grammar(offered, family, body.parallel_tool_calls is not False))
+        messages = tools.template_messages(messages)
 
         def prompt_ids(engine) -> list[int]:
             from pagedchat.prompts import render_chat
 
-            return render_chat(engine, messages, settings.template_kwargs)
+            return render_chat(engine, messages, template_kwargs)
 
         group = await _submit(aengine, [prompt_ids], params, "messages")
-        reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True)
+        reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True, text=TokenText(tokenizer),
+                       top_logprobs=top, tool_family=family if offered else None,
+                       parallel_tool_calls=body.parallel_tool_calls is not False)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _EventStream(reply.stream(group, include_usage), group)
@@ -135,23 +156,62 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         check_model(body.model)
         check_extra_fields(body)
         params = _sampling_params(body, body.max_tokens, settings)
+        params = params.with_(logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None)
+        prompts = completion_prompts(body)
 
         def raw_ids(prompt):
             def build(engine) -> list[int]:
                 return engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
             return build
 
-        group = await _submit(aengine, [raw_ids(p) for p in completion_prompts(body)], params, "prompt")
-        reply = _Reply("cmpl", settings.model_name, body.n, chat=False)
+        group = await _submit(aengine, [raw_ids(p) for p in prompts], params, "prompt")
+        text = TokenText(aengine.engine.tokenizer)
+        prompt_texts = [p if isinstance(p, str) else text.tokenizer.decode(p) for p in prompts] \
+            if body.echo or body.logprobs is not None else None
+        reply = _Reply("cmpl", settings.model_name, body.n, chat=False, text=text, prompt_texts=prompt_texts,
+                       echo=bool(body.echo))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _EventStream(reply.stream(group, include_usage), group)
         outputs = await _collect(group, request)
         return reply.full(outputs) if outputs is not None else Response(status_code=499)
 
+    @app.post("/v1/embeddings", dependencies=[Depends(require_key)])
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        """Mean of the last layer's hidden states (after the final norm) over every input token, computed by
+        a prefill in the shared pool (chunked like any prompt)."""
+        check_model(body.model)
+        if body.dimensions is not None:
+            raise APIError(400, "dimensions is not supported: embeddings have the model's hidden size",
+                           param="dimensions")
+        inputs = completion_prompts(body)
+
+        def raw_ids(item):
+            def build(engine) -> list[int]:
+                return engine.encode(item) if isinstance(item, str) else list(item)
+            return build
+
+        params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, embed=True)
+        group = await _submit(aengine, [raw_ids(i) for i in inputs], params, "input")
+        outputs = await _collect(group, request)
+        if outputs is None:
+            return Response(status_code=499)
+        _raise_output_error(outputs)
+        data = [{"object": "embedding", "index": i, "embedding": _encode_vector(o.embedding, body.encoding_format)}
+                for i, o in enumerate(outputs)]
+        tokens = sum(o.num_prompt_tokens for o in outputs)
+        return {"object": "list", "data": data, "model": settings.model_name,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     app.state.aengine = aengine
     app.state.settings = settings
     return app
+
+
+def _encode_vector(vector: list[float], encoding_format: str):
+    if encoding_format == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
 # -- request -> engine ------------------------------------------------------------------------------------------
@@ -168,7 +228,7 @@ def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> S
     model = {k: (v, "model") for k, v in settings.sampling_defaults.items()}
     try:
         params, _ = merge_sampling(model, {**request, "__source__": "request"})
-        return params.with_(n=body.n, ignore_eos=body.ignore_eos)
+        return params.with_(n=body.n, ignore_eos=body.ignore_eos, grammar=response_grammar(getattr(body, "response_format", None)))
     except UserError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -190,6 +250,8 @@ async def _submit(aengine: AsyncEngine, prompts, params: SamplingParams, param: 
         return await aengine.add(prompts, params)
     except APIError:
         raise
+    except GrammarError as e:
+        raise APIError(400, str(e), param="response_format") from None
     except (ContextTooLong, PoolTooSmall) as e:
         raise _context_error(e, param) from None
     except UserError as e:    # engine checks on the prompt: empty, token ids outside the vocabulary, ...
@@ -241,25 +303,66 @@ async def _disconnected(request: Request) -> None:
 class _Reply:
     """Builds the response body (or the SSE chunks) of one call from its outputs."""
 
-    def __init__(self, prefix: str, model: str, n: int, chat: bool):
+    def __init__(self, prefix: str, model: str, n: int, chat: bool, text: TokenText | None = None,
+                 top_logprobs: int = 0, prompt_texts: list[str] | None = None, echo: bool = False,
+                 tool_family: str | None = None, parallel_tool_calls: bool = True):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.n, self.chat = model, n, chat
         self.object = "chat.completion" if chat else "text_completion"
+        self.text, self.top_logprobs = text, top_logprobs
+        self.prompt_texts, self.echo = prompt_texts, echo
+        self.tool_family, self.parallel_tool_calls = tool_family, parallel_tool_calls
 
-    def _choice(self, index: int, text: str | None, finish_reason: str | None, delta: bool = False) -> dict:
+    def _choice(self, index: int, text: str | None, finish_reason: str | None, delta: bool = False,
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
         if not self.chat:
-            return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if delta:
-            return {"index": index, "delta": {"content": text} if text is not None else {}, "logprobs": None,
-                    "finish_reason": finish_reason}
-        return {"index": index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None, "finish_reason": finish_reason}
+            body = {"content": text} if text is not None else {}
+            if tool_calls:
+                body["tool_calls"] = tool_calls
+            return {"index": index, "delta": body, "logprobs": logprobs, "finish_reason": finish_reason}
+        message = {"role": "assistant", "content": text, "refusal": None}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _tool_calls(self, text: str) -> tuple[str | None, list]:
+        """(content, calls) of a finished chat reply when tools were offered."""
+        if self.tool_family is None:
+            return text, []
+        content, calls = tools.parse_reply(text, self.tool_family)
+        return content, calls if self.parallel_tool_calls else calls[:1]
+
+    def _logprobs(self, slot: int, entries, prompt_entries=None, prompt_ids=None, offset: int = 0) -> dict | None:
+        """One choice's (or one chunk's) logprobs; prompt_entries: echo's scored prompt tokens."""
+        if entries is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.text, entries, self.top_logprobs)
+        parts = []
+        if prompt_entries is not None:
+            parts.append(completion_logprobs(self.text, prompt_entries, 0, echo_first=prompt_ids[0]))
+        parts.append(completion_logprobs(self.text, entries, offset))
+        return merge_completion_logprobs(parts)
+
+    def _echoed(self, slot: int) -> str:
+        return self.prompt_texts[slot] if self.echo else ""
 
     def full(self, outputs) -> dict:
         _raise_output_error(outputs)
-        choices = [self._choice(slot * self.n + c.index, c.text, _finish(c.finish_reason))
-                   for slot, out in enumerate(outputs) for c in out.outputs]
+        choices = []
+        for slot, out in enumerate(outputs):
+            for c in out.outputs:
+                prompt_len = len(self.prompt_texts[slot]) if self.prompt_texts else 0
+                logprobs = self._logprobs(slot, c.logprobs, out.prompt_logprobs if self.echo else None,
+                                          out.prompt_token_ids, prompt_len)
+                text = self._echoed(slot) + c.text if not self.chat else c.text
+                text, calls = self._tool_calls(text) if self.chat else (text, [])
+                finish = "tool_calls" if calls else _finish(c.finish_reason)
+                choices.append(self._choice(slot * self.n + c.index, text, finish, logprobs=logprobs,
+                                            tool_calls=[call.openai() for call in calls]))
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": _usage(outputs), "system_fingerprint": None}
 
@@ -272,6 +375,10 @@ class _Reply:
 
     async def stream(self, group: RequestGroup, include_usage: bool):
         slots = len(group.outputs)
+        offsets: dict[int, int] = {}     # choice -> characters streamed so far (completions text_offset)
+        held: dict[int, str] = {}        # choice -> text held back: it may be (the start of) a tool call
+        sent: dict[int, str] = {}        # choice -> content streamed (tool replies only)
+        calling: set[int] = set()        # choices whose tool call has begun: all further text is held
         if self.chat:   # OpenAI opens every choice with its role
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None} for i in range(slots * self.n)])
@@ -283,11 +390,38 @@ class _Reply:
                 if not isinstance(item, Token) or item.event.finish_reason == "error":
                     continue
                 event, index = item.event, item.slot * self.n + item.event.index
-                if event.text:
-                    yield self._chunk([self._choice(index, event.text, None, delta=True)])
+                if index not in offsets:
+                    offsets[index] = len(self.prompt_texts[item.slot]) if self.prompt_texts else 0
+                    if self.echo:
+                        echo = self._logprobs(item.slot, [] if event.logprobs is not None else None,
+                                              event.prompt_logprobs, group.prompt_ids[item.slot])
+                        yield self._chunk([self._choice(index, self.prompt_texts[item.slot], None, delta=True,
+                                                        logprobs=echo)])
+                        offsets[index] = len(self.prompt_texts[item.slot])
+                logprobs = self._logprobs(item.slot, event.logprobs, offset=offsets[index])
+                text = held.pop(index, "") + event.text
+                if self.tool_family is not None:     # hold back what may be the start of a tool call
+                    cut = 0 if index in calling else tools.holds_back(text, self.tool_family)
+                    if cut < len(text):
+                        calling.add(index)
+                    text, held[index] = text[:cut], text[cut:]
+                    sent[index] = sent.get(index, "") + text
+                if text or logprobs is not None:
+                    yield self._chunk([self._choice(index, text, None, delta=True, logprobs=logprobs)])
+                offsets[index] += len(event.text)
                 if event.finish_reason:
-                    yield self._chunk([self._choice(index, None if self.chat else "", _finish(event.finish_reason),
-                                                    delta=True)])
+                    finish, tail = _finish(event.finish_reason), held.pop(index, "")
+                    if self.tool_family is not None:
+                        content, calls = self._tool_calls(sent.get(index, "") + tail)
+                        if calls:
+                            finish, tail = "tool_calls", (content or "")[len(sent.get(index, "")):]
+                            deltas = [call.openai(i) for i, call in enumerate(calls)]   # index i: call i
+                            yield self._chunk([self._choice(index, tail or None, None, delta=True,
+                                                            tool_calls=deltas)])
+                            tail = ""
+                    if tail:
+                        yield self._chunk([self._choice(index, tail, None, delta=True)])
+                    yield self._chunk([self._choice(index, None if self.chat else "", finish, delta=True)])
             else:
                 if include_usage:
                     yield self._chunk([], usage=_usage(group.outputs))

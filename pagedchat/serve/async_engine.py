@@ -62,6 +62,7 @@ class RequestGroup:
         self.name = f"g{next(self._ids)}"
         self.request_ids: list[str | None] = [None] * size   # written by the loop thread
         self.outputs: list[RequestOutput | None] = [None] * size
+        self.prompt_ids: list[list[int] | None] = [None] * size  # written by the loop thread when added
         self.complete = False
 
     async def __aiter__(self):
@@ -239,6 +240,7 @@ class AsyncEngine:
             for slot, ids in enumerate(token_ids):
                 rid = engine.add_request(ids, params, request_id=f"{group.name}-{slot}")
                 group.request_ids[slot] = rid
+                group.prompt_ids[slot] = ids
                 self._slots[rid] = (group, slot)
                 self.counters.total += 1
         except BaseException:

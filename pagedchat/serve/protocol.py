@@ -11,6 +11,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pagedchat.engine.grammar import GrammarSpec
+from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
 from pagedchat.settings import MAX_SERVER_VARIANTS
 
 
@@ -56,6 +58,7 @@ class _GenerationRequest(BaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    response_format: Optional[dict[str, Any]] = None    # text | json_object | json_schema (completions too)
 
 
 class ChatMessage(BaseModel):
@@ -68,16 +71,31 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None      # none | auto | required | {"function": ...}
+    parallel_tool_calls: Optional[bool] = None
+
+
+class EmbeddingRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    input: Union[str, list[str], list[int], list[list[int]]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Optional[int] = None
 
 
 class CompletionRequest(_GenerationRequest):
     # A string, a list of strings (a batch), token ids, or a list of token-id lists (a batch).
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # alternatives per token
+    echo: Optional[bool] = False                                       # the prompt (and its scores) first
 
 
 # -- fields OpenAI defines that we do not implement -----------------------------------------------------------
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-                  "safety_identifier"}
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
 
 
 def _none_or(*values):
@@ -88,21 +106,15 @@ def _none_or(*values):
 NOOP_FIELDS: dict[str, tuple[Any, str]] = {
     "presence_penalty": (_none_or(0, 0.0), "only 0 is supported; use repetition_penalty instead"),
     "frequency_penalty": (_none_or(0, 0.0), "only 0 is supported; use repetition_penalty instead"),
-    "logprobs": (_none_or(False, 0), "logprobs are not supported"),
-    "top_logprobs": (_none_or(0), "logprobs are not supported"),
     "logit_bias": (_none_or({}), "logit_bias is not supported"),
-    "tools": (_none_or([]), "tool calling is not supported"),
-    "tool_choice": (_none_or("none", "auto"), "tool calling is not supported"),
     "functions": (_none_or([]), "function calling is not supported"),
     "function_call": (_none_or("none", "auto"), "function calling is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "only {\"type\": \"text\"} is supported"),
     "modalities": (_none_or(["text"]), "only text is supported"),
     "audio": (_none_or(), "audio output is not supported"),
     "prediction": (_none_or(), "predicted outputs are not supported"),
     "web_search_options": (_none_or(), "web search is not supported"),
     "reasoning_effort": (_none_or(), "reasoning_effort is not supported"),
     "verbosity": (_none_or(), "verbosity is not supported"),
-    "echo": (_none_or(False), "echo is not supported"),
     "suffix": (_none_or(""), "suffix (insertion) is not supported"),
     "best_of": (None, "best_of must equal n"),       # checked against n below
 }
@@ -126,15 +138,21 @@ def check_extra_fields(request: _GenerationRequest) -> None:
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict]:
-    """The request's messages as plain {"role", "content"} dicts for the chat template."""
+    """The request's messages as {"role", "content"} dicts for the chat template; an assistant's tool_calls
+    and a tool result's tool_call_id come along (the legacy function-call forms do not)."""
     out = []
     for i, message in enumerate(request.messages):
         extra = message.model_extra or {}
-        if extra.get("tool_calls") or extra.get("function_call") or message.role in ("tool", "function"):
-            raise APIError(400, f"messages[{i}]: tool and function messages are not supported",
+        if extra.get("function_call") or message.role == "function":
+            raise APIError(400, f"messages[{i}]: legacy function messages are not supported: use tools",
                            param=f"messages[{i}]")
         role = "system" if message.role == "developer" else message.role
-        out.append({"role": role, "content": _message_text(message.content, i)})
+        item = {"role": role, "content": _message_text(message.content, i)}
+        if role == "assistant" and extra.get("tool_calls"):
+            item["tool_calls"] = extra["tool_calls"]
+        if role == "tool":
+            item["tool_call_id"] = extra.get("tool_call_id")
+        out.append(item)
     return out
 
 
@@ -150,9 +168,9 @@ def _message_text(content, i: int) -> str:
     return "\n".join(texts)
 
 
-def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
-    """The prompt field as a batch: each item is text (encoded raw) or token ids."""
-    prompt = request.prompt
+def completion_prompts(request: CompletionRequest | EmbeddingRequest) -> list[str | list[int]]:
+    """The prompt (or embeddings input) field as a batch: each item is text (encoded raw) or token ids."""
+    prompt = request.prompt if isinstance(request, CompletionRequest) else request.input
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
@@ -162,6 +180,25 @@ def completion_prompts(request: CompletionRequest) -> list[str | list[int]]:
     if any(not p for p in prompt):
         raise APIError(400, "prompt must not contain empty prompts", param="prompt")
     return list(prompt)
+
+
+def response_grammar(response_format: dict | None) -> GrammarSpec | None:
+    """OpenAI's response_format as a grammar: text (none), json_object, or json_schema {name, schema, strict}."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec.json_object()
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise APIError(400, "response_format.json_schema must be an object with a \"schema\" object",
+                           param="response_format.json_schema")
+        return GrammarSpec.json_schema(spec.get("schema", {}))
+    raise APIError(400, f"response_format type {kind!r} is not supported: use text, json_object or json_schema",
+                   param="response_format.type")
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -1,0 +1,283 @@
+"""Batch-1 rows of `pagedchat bench throughput`: what one person at a terminal waits for.
+
+  - decode    one prompt, N new tokens (EOS ignored): tokens per second of the decode phase alone
+  - prefill   one 512-token prompt: time to its first token
+  - start-up  `pagedchat run` with the demo model, process start to the first byte on stdout, against the
+              wall time of `python -c "import torch"` (the floor every torch program pays)
+
+Systems: the pagedchat engine, transformers `generate` at batch 1, and with `--peer llama.cpp` llama.cpp
+through llama-cpp-python on the same weights written as GGUF (F32, F16, Q8_0); when llama-cpp-python is
+not installed that peer is skipped with a one-line note. Every system runs in its own subprocess with the
+same thread count; the systems take turns and the median of each counts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pagedchat.errors import UserError
+
+PREFILL_TOKENS = 512
+LLAMA_CPP_TYPES = ("F32", "F16", "Q8_0")
+STARTUP_PROMPT = "What is 17 + 25?"
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None and importlib.util.find_spec("gguf") is not None
+
+
+# -- the workers (each in its own process) --------------------------------------------------------------------
+def _prompts(spec: dict) -> tuple[list[int], list[list[int]]]:
+    """The decode prompt and one distinct 512-token prompt per prefill repeat (no prefix-cache hits)."""
+    rng = random.Random(spec["seed"])
+    vocab = spec["vocab_size"]
+    decode = [rng.randrange(3, vocab) for _ in range(spec["decode_prompt"])]
+    prefills = [[rng.randrange(3, vocab) for _ in range(PREFILL_TOKENS)] for _ in range(spec["prefill_runs"])]
+    return decode, prefills
+
+
+def worker_pagedchat(spec: dict) -> dict:
+    from pagedchat.engine import Engine, EngineConfig, SamplingParams
+
+    quantize = {"quantize": spec["quantize"]} if spec.get("quantize") else {}
+    config = EngineConfig(model=spec["model"], device="cpu", dtype=spec["dtype"], num_blocks=256, **quantize)
+    engine = Engine(config, show_progress=False)
+    decode, prefills = _prompts(spec)
+    params = SamplingParams(temperature=0, max_tokens=spec["new_tokens"], ignore_eos=True)
+    engine.generate([decode[:16]], params.with_(max_tokens=4))  # warm-up
+    rid = engine.add_request(decode, params)
+    engine.step()  # the prefill, which samples the first token
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    decode_s = time.perf_counter() - start
+    engine.pop_output(rid)
+    prefill_s = []
+    for prompt in prefills:
+        start = time.perf_counter()
+        engine.generate([prompt], params.with_(max_tokens=1))
+        prefill_s.append(time.perf_counter() - start)
+    return {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "prefill_s": statistics.median(prefill_s)}
+
+
+def worker_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    decode, prefills = _prompts(spec)
+
+    def generate(prompt, new_tokens) -> float:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+        return time.perf_counter() - start
+
+    generate(decode[:16], 4)  # warm-up
+    first = generate(decode, 1)
+    full = generate(decode, spec["new_tokens"])
+    prefill_s = [generate(p, 1) for p in prefills]
+    return {"decode_tok_per_s": (spec["new_tokens"] - 1) / max(full - first, 1e-9),
+            "prefill_s": statistics.median(prefill_s)}
+
+
+def worker_llama_cpp(spec: dict) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=spec["gguf"], n_ctx=max(1024, PREFILL_TOKENS + spec["decode_prompt"] + spec["new_tokens"]),
+                n_batch=PREFILL_TOKENS, n_ubatch=PREFILL_TOKENS, n_threads=spec["threads"],
+                n_threads_batch=spec["threads"], verbose=False)
+    decode, prefills = _prompts(spec)
+    llm.eval(decode[:16])  # warm-up
+    llm.reset()
+    llm.eval(decode)
+    token = decode[-1]
+    start = time.perf_counter()
+    for _ in range(spec["new_tokens"] - 1):  # one token per call, as in decoding (which token is moot for time)
+        llm.eval([token])
+    decode_s = time.perf_counter() - start
+    prefill_s = []
+    for prompt in prefills:
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt)
+        prefill_s.append(time.perf_counter() - start)
+    return {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "prefill_s": statistics.median(prefill_s)}
+
+
+WORKERS = {"pagedchat": worker_pagedchat, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp}
+
+
+def worker_main(system: str, spec_path: str, out_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    from pagedchat.bench.common import quiet_transformers
+
+    quiet_transformers()
+    Path(out_path).write_text(json.dumps(WORKERS[system](spec)))
+
+
+# -- GGUF for the llama.cpp peer ------------------------------------------------------------------------------
+def write_gguf(model_dir: Path, out: Path, kind: str) -> Path:
+    """The HF llama checkpoint as a GGUF file of `kind` (F32, F16, Q8_0) for timing. Q and K rows are not
+    permuted into llama.cpp's rotary layout: the arithmetic is the same, so its speed is, but its tokens are
+    not compared with the others'. No vocabulary: benchmarks feed token ids."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    if (config.get("architectures") or [None])[0] != "LlamaForCausalLM":
+        raise UserError("--peer llama.cpp times Llama-architecture models (use --random llama)")
+    tensors: dict[str, np.ndarray] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    heads, layers = config["num_attention_heads"], config["num_hidden_layers"]
+    writer = gguf.GGUFWriter(str(out), "llama")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_rope_dimension_count(config.get("head_dim") or config["hidden_size"] // heads)
+    writer.add_rope_freq_base((config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 1e4)))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_tokenizer_model("none")
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                 "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+                 "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                 "mlp.down_proj": "ffn_down"}
+    for i in range(layers):
+        for hf, ours in per_layer.items():
+            names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
+    if "lm_head.weight" not in tensors:
+        tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    for hf_name, name in names.items():
+        data = tensors[hf_name].astype(np.float32)
+        if data.ndim == 1 or kind == "F32":
+            writer.add_tensor(name, data)
+        elif kind == "F16":
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            quantized = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, quantized, raw_shape=quantized.shape,
+                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+# -- start-up -------------------------------------------------------------------------------------------------
+def _first_byte_s(cmd: list[str]) -> float:
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    first = proc.stdout.read(1)
+    elapsed = time.perf_counter() - start
+    proc.stdout.read()
+    if proc.wait() != 0 or not first:
+        raise UserError(f"start-up run failed: {' '.join(cmd)}")
+    return elapsed
+
+
+def startup_times(threads: int, repeats: int) -> dict:
+    """`pagedchat run` (demo model, greedy) vs `python -c "import torch"`, alternating, process start to
+    first byte of output."""
+    pagedchat = [sys.executable, "-m", "pagedchat.cli", "run", "--threads", str(threads), "--temperature", "0",
+                 STARTUP_PROMPT]
+    torch_only = [sys.executable, "-c", "import torch; print(1)"]
+    runs = {"import torch": [], "pagedchat run": []}
+    for _ in range(repeats):
+        runs["import torch"].append(_first_byte_s(torch_only))
+        runs["pagedchat run"].append(_first_byte_s(pagedchat))
+    medians = {k: statistics.median(v) for k, v in runs.items()}
+    return {"median_s": medians, "runs_s": runs, "ratio": medians["pagedchat run"] / medians["import torch"]}
+
+
+# -- the parent -----------------------------------------------------------------------------------------------
+def _run(system: str, spec: dict, workdir: Path, timeout: float) -> dict:
+    spec_path = workdir / f"{system}-{time.monotonic_ns()}.json"
+    spec_path.write_text(json.dumps(spec))
+    out = spec_path.with_suffix(".out")
+    cmd = [sys.executable, "-m", "pagedchat.bench.batch1", system, str(spec_path), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise UserError(f"batch-1 {system} run failed: {tail[0]}")
+    return json.loads(out.read_text())
+
+
+def run_batch1_bench(model_path: Path, threads: int, repeats: int = 3, new_tokens: int = 64,
+                     decode_prompt: int = 64, peer: str | None = None, quantize: str | None = None,
+                     seed: int = 0, timeout: float = 1800) -> dict:
+    """Decode and prefill at batch 1 for every system, in turns; the median run of each counts."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    base = {"model": str(model_path), "dtype": "float32", "threads": threads, "new_tokens": new_tokens,
+            "decode_prompt": decode_prompt, "prefill_runs": 3, "seed": seed, "vocab_size": config["vocab_size"]}
+    systems = {"pagedchat": dict(base), "transformers": dict(base)}
+    if quantize:
+        systems[f"pagedchat {quantize}"] = {**base, "quantize": quantize}
+    notes = []
+    with tempfile.TemporaryDirectory(prefix="pagedchat-batch1-") as tmp:
+        if peer == "llama.cpp":
+            if llama_cpp_available():
+                for kind in LLAMA_CPP_TYPES:
+                    path = write_gguf(Path(model_path), Path(tmp) / f"model-{kind}.gguf", kind)
+                    systems[f"llama.cpp {kind}"] = {**base, "gguf": str(path)}
+            else:
+                notes.append("llama.cpp peer skipped: llama-cpp-python (and gguf) are not installed "
+                             "(pip install llama-cpp-python gguf)")
+        runs: dict[str, list[dict]] = {name: [] for name in systems}
+        for _ in range(repeats):
+            for name, spec in systems.items():
+                worker = name.split()[0]
+                runs[name].append(_run(worker, spec, Path(tmp), timeout))
+    medians = {name: {"decode_tok_per_s": statistics.median(r["decode_tok_per_s"] for r in rs),
+                      "prefill_s": statistics.median(r["prefill_s"] for r in rs),
+                      "decode_runs": [r["decode_tok_per_s"] for r in rs], "prefill_runs": [r["prefill_s"] for r in rs]}
+               for name, rs in runs.items()}
+    ours = medians["pagedchat"]
+    ratios = {name: {"decode": ours["decode_tok_per_s"] / m["decode_tok_per_s"],
+                     "prefill": m["prefill_s"] / ours["prefill_s"]} for name, m in medians.items()}
+    return {"threads": threads, "repeats": repeats, "new_tokens": new_tokens, "decode_prompt": decode_prompt,
+            "prefill_tokens": PREFILL_TOKENS, "systems": medians, "pagedchat_ratio": ratios, "notes": notes}
+
+
+def print_batch1_report(r: dict) -> None:
+    from pagedchat.bench.common import print_table
+
+    rows = [[name, m["decode_tok_per_s"], r["pagedchat_ratio"][name]["decode"], m["prefill_s"] * 1000,
+             r["pagedchat_ratio"][name]["prefill"]] for name, m in r["systems"].items()]
+    print_table(f"Batch 1 — decode ({r['decode_prompt']}-token prompt, {r['new_tokens']} new tokens) and "
+                f"{r['prefill_tokens']}-token prefill, {r['threads']} thread(s), median of {r['repeats']} "
+                f"alternating runs",
+                ["system", "decode tok/s", "pagedchat x", "prefill ms", "pagedchat x"], rows,
+                caption="pagedchat x: pagedchat's speed over the system's (above 1: pagedchat is faster)")
+    for note in r["notes"]:
+        print(note)
+    if "startup" in r:
+        s = r["startup"]
+        print(f"start-up to first byte: pagedchat run {s['median_s']['pagedchat run']:.3f} s, "
+              f"import torch {s['median_s']['import torch']:.3f} s: {s['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    worker_main(*sys.argv[1:4])

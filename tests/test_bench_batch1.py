@@ -1,0 +1,37 @@
+"""Smoke tests of the batch-1 rows of `bench throughput` (decode, 512-token prefill, start-up, the optional
+llama.cpp peer). No timing is asserted: the rows must exist, be positive, and say when the peer is skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedchat.bench import batch1
+from pagedchat.bench.models import build_random_model
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return build_random_model("llama", tmp_path_factory.mktemp("b1") / "llama", "tiny", max_positions=1024)
+
+
+def test_decode_and_prefill_rows_and_the_skipped_peer(tiny_llama, monkeypatch):
+    monkeypatch.setattr(batch1, "llama_cpp_available", lambda: False)
+    r = batch1.run_batch1_bench(tiny_llama, threads=1, repeats=1, new_tokens=4, decode_prompt=8, peer="llama.cpp")
+    assert set(r["systems"]) == {"pagedchat", "transformers"}
+    for m in r["systems"].values():
+        assert m["decode_tok_per_s"] > 0 and m["prefill_s"] > 0
+    assert r["pagedchat_ratio"]["pagedchat"] == {"decode": 1.0, "prefill": 1.0}
+    assert len(r["notes"]) == 1 and "llama.cpp peer skipped" in r["notes"][0]
+
+
+def test_startup_is_timed_to_the_first_byte():
+    s = batch1.startup_times(threads=1, repeats=1)
+    assert set(s["median_s"]) == {"import torch", "pagedchat run"} and s["ratio"] > 0
+
+
+def test_gguf_for_the_peer(tiny_llama, tmp_path):
+    gguf = pytest.importorskip("gguf")
+    for kind in batch1.LLAMA_CPP_TYPES:
+        reader = gguf.GGUFReader(str(batch1.write_gguf(tiny_llama, tmp_path / f"{kind}.gguf", kind)))
+        names = {t.name for t in reader.tensors}
+        assert {"token_embd.weight", "output.weight", "blk.1.ffn_down.weight"} <= names and len(names) == 2 * 9 + 3
