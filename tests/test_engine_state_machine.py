@@ -202,9 +202,15 @@ class EngineMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.tiers)
     @rule(data=st.data(), how=st.sampled_from(["flip", "truncate", "empty"]))
     def corrupt_disk_block(self, data, how):
+        """Damage one block file. With none on disk yet, first save what the pool holds (as a session save
+        or an exit would), so the rule always has a file to damage once any block was computed."""
         files = sorted(block_files(Path(self.tiers["disk_dir"])))
         if not files:
-            return
+            self.engine.tiers.write_through(self.engine.pool.cached_blocks())
+            self.engine.tiers.flush()
+            files = sorted(block_files(Path(self.tiers["disk_dir"])))
+        if not files:
+            return  # nothing computed yet
         path = data.draw(st.sampled_from(files))
         content = path.read_bytes()
         if len(content) < 8:
