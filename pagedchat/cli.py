@@ -34,7 +34,10 @@ def _print_version(value: bool) -> None:
 
 @app.callback()
 def _root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                       help="Print the version and exit.")) -> None:
+                                       help="Print the version and exit."),
+          debug: bool = typer.Option(False, "--debug", help="Show the traceback of an error (also "
+                                                             "PAGEDCHAT_DEBUG=1); works anywhere on the line.")
+          ) -> None:
     """Chat, fork and compare LLM replies locally on one shared paged KV-cache pool."""
 
 
@@ -91,8 +94,27 @@ def _invoke() -> None:
     returns a command's `raise typer.Exit(code)` as a value (every exit code was lost: failures exited 0) and
     turns Ctrl-C into a silent Exit(130). Invoked directly, both reach the handlers in main()."""
     command = typer.main.get_command(app)
+    _no_flag_types(command)
     with command.make_context("pagedchat", sys.argv[1:]) as ctx:
         command.invoke(ctx)
+
+
+def _no_flag_types(command) -> None:
+    """--help shows no type for on/off flags (typer labels them <bool>, as if they took a value)."""
+    for param in command.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    make_help = command.get_help_option
+
+    def help_option(ctx):
+        option = make_help(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    command.get_help_option = help_option
+    for sub in getattr(command, "commands", {}).values():
+        _no_flag_types(sub)
 
 
 def main() -> None:

@@ -60,4 +60,4 @@ class PoolTooSmall(RequestError):
     def advise(self, advice: str) -> str:
         """The message with a front end's own way out (`raise --kv-memory`, a server restart, ...)."""
         return (f"prompt is {self.prompt_tokens} tokens but the whole KV pool holds {self.capacity_tokens} tokens "
-                f"({self.num_blocks} blocks); {advice}")
+                f"({self.num_blocks} block{'' if self.num_blocks == 1 else 's'}); {advice}")

@@ -23,7 +23,7 @@ _NOT_READ = {"kv": "the KV pool is sized per run: --kv-memory and --block-size",
              "keep_alive": "the model stays loaded exactly as long as the chat, run or serve process"}
 ENTRY_KEYS = {"source", "path", "revision", "aliases", "dtype", "max_context", "chat_template",
               "chat_template_kwargs", "system_prompt", "stop", "sampling", "trust_remote_code", "description",
-              "speculate", "num_draft_tokens", "draft_model", *_NOT_READ}
+              "context_overflow", "speculate", "num_draft_tokens", "draft_model", *_NOT_READ}
 DEFAULT_KEYS = (ENTRY_KEYS - {"trust_remote_code"}) | {"model"}  # remote code: per model only
 
 

@@ -159,6 +159,16 @@ _FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_me
           "num_draft_tokens": "--num-draft-tokens"}
 
 
+OVERFLOW_POLICIES = ("stop", "drop-oldest")   # what a conversation that outgrows the context does
+
+
+def check_overflow(value, where: str) -> str | None:
+    """A context_overflow value (flag, /set, models.toml, request) checked once, named by where it came from."""
+    if value is not None and value not in OVERFLOW_POLICIES:
+        raise UserError(f"{where} must be one of {', '.join(OVERFLOW_POLICIES)}, got {value!r}")
+    return value
+
+
 def cli_words(error: Exception) -> str:
     """An engine error as the command line says it: the engine names its settings, the CLI its flags."""
     from pagedchat.errors import PoolTooSmall, SettingError

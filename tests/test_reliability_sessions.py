@@ -392,6 +392,11 @@ def test_the_loader_passes_trust_remote_code_false_by_default(model, monkeypatch
 
         monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
     loader.load_model(str(model), device="cpu", show_progress=False)
+    assert not any(trust for _, trust in calls), calls
+    # a folder it cannot read itself (another family, a tokenizer it cannot reproduce) goes to transformers:
+    monkeypatch.setattr(loader, "read_config", lambda path: None)
+    monkeypatch.setattr(loader, "load_fast_tokenizer", lambda model_dir: None)
+    loader.load_model(str(model), device="cpu", show_progress=False)
     assert ("AutoConfig", False) in calls and ("AutoTokenizer", False) in calls
     assert not any(trust for _, trust in calls), calls
 

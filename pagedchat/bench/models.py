@@ -74,11 +74,9 @@ def resolve_model(model: str | None, random_arch: str | None, random_size: str, 
         path = build_random_model(random_arch, workdir / f"{random_arch}-{size_tag(random_size)}", random_size,
                                   max_positions, dtype=dtype)
         return path, f"random {random_arch} ({random_size})"
-    if not model:
-        raise UserError("no model: pass -m MODEL (a models.toml name or an HF folder) or --random llama")
     from pagedchat.registry import Registry
 
-    entry = Registry().resolve(model)
+    entry = Registry().resolve(model or None)    # no -m: the registry's default model (the shipped demo)
     if not Path(entry.path).is_dir():
         raise UserError(f"model {model!r} resolves to {entry.path}, which is not a local folder")
     return Path(entry.path), entry.name

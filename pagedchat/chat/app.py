@@ -11,12 +11,13 @@ from dataclasses import replace
 from pagedchat.chat.controller import ChatController
 from pagedchat.chat.session import check_name
 from pagedchat.chat.store import SessionStore
-from pagedchat.settings import ModelOptions, SamplingOptions, load_engine
+from pagedchat.settings import ModelOptions, SamplingOptions, check_overflow, load_engine
 from pagedchat.errors import UserError
 
 
 def start(model_opts: ModelOptions, sampling: SamplingOptions, session_name: str | None, continue_last: bool,
-          system: str | None, show_progress: bool = True, store: SessionStore | None = None):
+          system: str | None, show_progress: bool = True, store: SessionStore | None = None,
+          context_overflow: str | None = None, overflow_default: str = "drop-oldest"):
     """Returns (controller, created): the controller's current session is the one asked for."""
     store = store or SessionStore()
     if continue_last and session_name is None:
@@ -30,8 +31,9 @@ def start(model_opts: ModelOptions, sampling: SamplingOptions, session_name: str
             saved = store.load(session_name)
             if model_opts.model is None and saved.model:
                 model_opts = replace(model_opts, model=saved.model)
+    check_overflow(context_overflow, "--context-overflow")   # before the model loads
     engine, entry = load_engine(model_opts, show_progress=show_progress)
-    ctl = ChatController(engine, entry, store, sampling, system)
+    ctl = ChatController(engine, entry, store, sampling, system, context_overflow, overflow_default)
     if saved is not None:
         ctl.check_model(saved)
         ctl.sessions[saved.name] = ctl.current = saved

@@ -19,14 +19,18 @@ from pagedchat.chat.session import Session, check_name
 from pagedchat.chat.store import SaveError, SessionStore
 from pagedchat.chat.tree import Node
 from pagedchat.chat.turns import Templater
-from pagedchat.settings import MAX_FORK_VARIANTS, SamplingOptions, resolve_sampling
+from pagedchat.settings import MAX_FORK_VARIANTS, OVERFLOW_POLICIES, SamplingOptions, check_overflow, resolve_sampling
 from pagedchat.engine.sampling_params import SETTING_KEYS, SETTING_TYPES
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
+from pagedchat.words import article
 
 SET_KEYS = SETTING_KEYS     # /set takes exactly the sampling settings SamplingParams declares (and speculate, schema)
 FORK_TEMPERATURE = 0.8      # /fork and /regen at temperature 0 would only repeat the greedy reply
 MAX_FORK = MAX_FORK_VARIANTS
+CHAT_KEYS = {"context_overflow": OVERFLOW_POLICIES}   # /set keys of the chat itself, not of sampling
+ALL_SET_KEYS = (*SET_KEYS, *CHAT_KEYS)
+THINK_MODES = ("show", "hide", "off")
 CONTEXT_LEAD = 64           # prompt tokens put before a sibling reply, so a draft can match its start
 
 
@@ -42,7 +46,8 @@ class TurnResult:
 
 class ChatController:
     def __init__(self, engine, entry, store: SessionStore | None = None, cli: SamplingOptions | None = None,
-                 system: str | None = None):
+                 system: str | None = None, context_overflow: str | None = None,
+                 overflow_default: str = "stop"):
         self.engine, self.entry = engine, entry     # the engine is used through self.backend only
         self.backend = ChatBackend(engine)
         self.store = store or SessionStore()
@@ -53,6 +58,9 @@ class ChatController:
         self.sessions: dict[str, Session] = {}      # resident: all share the engine's pool
         self.current: Session | None = None
         self.last_stats: dict | None = None
+        self.cli_overflow = check_overflow(context_overflow, "--context-overflow")
+        self.overflow_default = overflow_default    # the REPL drops the oldest turns; `run --session` stops
+        self.on_note = None     # called with notes known before a reply starts (else they come in TurnResult)
         self.schema: tuple[str, object] | None = None   # (/set schema FILE, its GrammarSpec): replies follow it
 
     @property
@@ -134,8 +142,8 @@ class ChatController:
     def sampling(self, n: int = 1):
         """(SamplingParams, sources) for the current session: CLI > /set > session > model > defaults."""
         s = self.session
-        set_now = {k: v for k, v in s.settings.items() if k in s.set_keys}
-        from_file = {k: v for k, v in s.settings.items() if k not in set_now}
+        set_now = {k: v for k, v in s.settings.items() if k in s.set_keys and k in SET_KEYS}
+        from_file = {k: v for k, v in s.settings.items() if k not in s.set_keys and k in SET_KEYS}
         params, sources = resolve_sampling(self.entry, self.cli, {**set_now, "__source__": "/set"},
                                            {**from_file, "__source__": f"session {s.name}"})
         return params.with_(n=n), sources
@@ -147,8 +155,10 @@ class ChatController:
             return f"speculate = {value.strip().lower()}"
         if key == "schema":     # a grammar for the replies, not a sampling setting
             return self._set_schema(value.strip())
+        if key in CHAT_KEYS:
+            return self._set_chat_option(key, value)
         if key not in SET_KEYS:
-            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}, speculate, schema")
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(ALL_SET_KEYS)}, speculate, schema")
         s = self.session
         keys = s.set_keys
         if value.strip().lower() == "default":
@@ -165,6 +175,66 @@ class ChatController:
         if key in self.cli.given():
             message += f" (but --{key.replace('_', '-')} {_show(self.cli.given()[key])} on the command line wins)"
         return message
+
+    def _set_chat_option(self, key: str, value: str) -> str:
+        s = self.session
+        value = value.strip().lower()
+        if value == "default":
+            s.settings.pop(key, None)
+        else:
+            s.settings[key] = check_overflow(value, key)
+        policy, source = self.overflow_policy()
+        message = f"{key} = {policy}" + (f" (from {source})" if value == "default" else "")
+        if self.cli_overflow is not None and value != "default":
+            message += f" (but --context-overflow {self.cli_overflow} on the command line wins)"
+        return message
+
+    def overflow_policy(self) -> tuple[str, str]:
+        """(policy, where it came from) for a branch that outgrows the context: CLI > /set or session >
+        models.toml > this front end's default."""
+        if self.cli_overflow is not None:
+            return self.cli_overflow, "command-line flag"
+        if "context_overflow" in self.session.settings:
+            return self.session.settings["context_overflow"], f"session {self.session.name}"
+        entry = self.entry.get("context_overflow")
+        if entry.value is not None:
+            return check_overflow(entry.value, f"context_overflow in {entry.source}"), entry.source
+        return self.overflow_default, "default"
+
+    def think_mode(self) -> str:
+        """/think: show (reasoning in full), hide (collapsed to one line once done; the default) or off (the
+        template is asked not to think, where it takes enable_thinking)."""
+        return self.session.settings.get("think", "hide")
+
+    def set_think(self, mode: str) -> str:
+        if mode not in THINK_MODES:
+            raise UserError(f"usage: /think {'|'.join(THINK_MODES)}")
+        self.session.settings["think"] = mode
+        self._apply_think()
+        if mode == "off" and not self.templater.takes("enable_thinking"):
+            return ("think off: this model's template has no enable_thinking switch, so replies may still "
+                    "reason; their reasoning is collapsed")
+        return {"show": "reasoning is shown in full", "hide": "reasoning is collapsed to one line once done",
+                "off": "the template is asked not to think (enable_thinking false)"}[mode]
+
+    def _apply_think(self) -> None:
+        """off passes enable_thinking=False to the template; show/hide leave the template its own default."""
+        if self.think_mode() == "off":
+            self.templater.kwargs["enable_thinking"] = False
+        else:
+            self.templater.kwargs.pop("enable_thinking", None)
+            self.templater.kwargs.update(self.entry.table.get("chat_template_kwargs") or {})
+
+    def compact(self) -> str:
+        """`/compact`: the next message drops the oldest turns of this branch now, not when it must."""
+        s = self.session
+        turns = sum(1 for n in s.path() if n.role == "user")
+        if turns < 2:
+            raise UserError("nothing to compact: the branch holds at most one exchange")
+        s.compact_next = True
+        return (f"the next message drops the oldest turns (at least one exchange; they stay in /tree) until the "
+                f"rest fits in half the context (the branch holds {len(s.tree.path_tokens(s.head))} of "
+                f"{self.backend.max_model_len} tokens)")
 
     def _set_schema(self, path: str) -> str:
         """`/set schema FILE`: every reply is constrained to this JSON schema (checked now, so an unsupported
@@ -219,13 +289,12 @@ class ChatController:
             raise UserError(f"the head #{head.id} is a user message with no reply yet: /regen answers it, "
                             f"/switch moves elsewhere")
         path = self._path_with_system()
-        user_ids = self.templater.user_turn_tokens(path, text)
-        prompt = [t for node in path for t in node.token_ids] + user_ids
         params, notes = self._params(n)
+        prompt, user_ids, context = self._fit(path, text, params, notes)
         out, interrupted, stats = self._generate(prompt, params, notes, on_update)
         if path and path[-1].id == 0:  # the system node of a conversation that starts now
             path[-1] = s.tree.add(None, "system", path[-1].text, path[-1].token_ids)
-        user = s.tree.add(path[-1].id if path else None, "user", text, user_ids)
+        user = s.tree.add(path[-1].id if path else None, "user", text, user_ids, context=context)
         return self._finish(user, out, interrupted, stats, notes, user_node=user)
 
     def regen(self, n: int = 1, on_update=None) -> TurnResult:
@@ -249,18 +318,17 @@ class ChatController:
         s = self.session
         node = s.node(node_id)
         if node.role != "user":
-            raise UserError(f"#{node_id} is a {node.role} message; /edit changes user messages "
+            raise UserError(f"#{node_id} is {article(node.role)} message; /edit changes user messages "
                             f"(/regen for replies, /system for the system prompt)")
         require_text(text, "edited message")
         path = s.tree.path(node.parent)
-        user_ids = self.templater.user_turn_tokens(path, text)
         params, notes = self._params(1)
+        prompt, user_ids, context = self._fit(path, text, params, notes)
         # the edited message's siblings and their replies: an edit's answer repeats much of the old one
-        context = [sibling.token_ids + reply.token_ids for sibling in s.tree.children(node.parent)
+        related = [sibling.token_ids + reply.token_ids for sibling in s.tree.children(node.parent)
                    for reply in s.tree.children(sibling.id)]
-        out, interrupted, stats = self._generate(s.tree.path_tokens(node.parent) + user_ids, params, notes,
-                                                 on_update, context)
-        user = s.tree.add(node.parent, "user", text, user_ids)
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update, related)
+        user = s.tree.add(node.parent, "user", text, user_ids, context=context)
         return self._finish(user, out, interrupted, stats, notes, user_node=user)
 
     def fork(self, n: int, text: str | None = None, on_update=None) -> TurnResult:
@@ -287,9 +355,46 @@ class ChatController:
                 return [root]
         return [Node(0, None, "system", s.system, self.templater.system_tokens(s.system))]
 
+    def _fit(self, path: list[Node], text: str, params, notes: list[str]):
+        """(prompt ids, the new user node's ids, its context record) for a new message after `path`.
+
+        Under `stop` the branch keeps growing (the engine refuses it once it is full). Under `drop-oldest`,
+        once the reply would have less room than it needs, the system prompt and the newest turns that fit in
+        half the context are rendered afresh with the new message; the dropped turns are said in a note and
+        recorded on the new node. Half, not all of it: each drop shifts every later position, so nothing
+        after the system prompt can come from the cache; dropping well below the limit lets the next turns
+        append to pinned KV again instead of re-rendering every turn."""
+        s = self.session
+        user_ids = self.templater.user_turn_tokens(path, text)
+        history = s.tree.path_tokens(path[-1].id) if path and path[-1].id else [t for n in path for t in n.token_ids]
+        prompt = history + user_ids
+        max_len = self.backend.max_model_len
+        limit = max_len - min(params.max_tokens, max(32, max_len // 4))   # room kept for the reply
+        if not s.compact_next and (len(prompt) <= limit or self.overflow_policy()[0] == "stop"):
+            return prompt, user_ids, None
+        s.compact_next = False
+        system = [path[0]] if path and path[0].role == "system" else []
+        gone = {i for node in path if node.context for i in node.context["dropped"]}
+        turns = [node for node in path[len(system):] if node.id not in gone]
+        starts = [i for i, node in enumerate(turns) if node.role == "user"]
+        for start in starts[1:] + [len(turns)]:        # drop the oldest turns first, one exchange at a time
+            prefix, new_ids = self.templater.compacted_turn(system + turns[start:], text)
+            if len(prefix) + len(new_ids) <= max_len // 2:
+                break
+        if len(prefix) + len(new_ids) >= max_len:
+            raise ContextFull(f"the context is full: this message alone needs {len(prefix) + len(new_ids)} "
+                              f"tokens and the model takes {max_len}", "send a shorter message")
+        dropped = [node.id for node in turns[:start]]
+        if not dropped:     # nothing older to drop: the message goes as it is (the engine says if it cannot)
+            return prompt, user_ids, None
+        notes.append(f"dropped turns #{dropped[0]}-#{dropped[-1]} from the context "
+                     f"({len(prompt)} -> {len(prefix) + len(new_ids)} tokens)")
+        return prefix + new_ids, new_ids, {"dropped": dropped, "prefix_ids": prefix}
+
     def _params(self, n: int, vary: bool = False):
         """Sampling for a turn. Variants (n > 1) and regenerations (vary) at temperature 0 would all be the
         same reply, so they sample at the model's own temperature (or FORK_TEMPERATURE) and say so."""
+        self._apply_think()     # the current session's /think decides what the template is asked
         params, sources = self.sampling(n)
         params = params.with_(grammar=self.schema[1] if self.schema else None)
         notes = []
@@ -303,11 +408,16 @@ class ChatController:
 
     def _generate(self, prompt: list[int], params, notes: list[str], on_update, context=None):
         room = self.backend.max_model_len - len(prompt)
-        limit = max(room // 2, min(room, 32))  # leave room for more turns in a small context
+        # Under stop, leave room for more turns in a small context; drop-oldest makes room when it must.
+        limit = room if self.overflow_policy()[0] == "drop-oldest" else max(room // 2, min(room, 32))
         capped = None
         if room >= 1 and params.max_tokens > limit:   # room < 1: the engine refuses it (ContextFull)
             params = params.with_(max_tokens=limit)
             capped = limit
+        if self.on_note is not None:    # say it before the reply streams, not after
+            for note in notes:
+                self.on_note(note)
+            notes.clear()
         parent = self.backend.pin_for(self.session.handles, prompt)
         done = self.backend.generate(prompt, params, parent, on_update, context)
         stats = self._stats(prompt, done.output, capped, params.n)

@@ -15,12 +15,15 @@ from pagedchat.chat.backend import ContextFull, stop_on_ctrl_c
 from pagedchat.settings import ModelOptions, SamplingOptions, kv_report
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
+from pagedchat.words import cut_mark
 
 
 def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: str, session: str | None,
-                   continue_last: bool, system: str | None, num_variants: int, as_json: bool) -> int:
+                   continue_last: bool, system: str | None, num_variants: int, as_json: bool,
+                   context_overflow: str | None = None) -> int:
     require_text(text)
-    ctl, created = start(model_opts, sampling, session, continue_last, system, show_progress=not as_json)
+    ctl, created = start(model_opts, sampling, session, continue_last, system, show_progress=not as_json,
+                         context_overflow=context_overflow, overflow_default="stop")
     try:
         return _run_turn(ctl, created, text, system, num_variants, as_json)
     finally:
@@ -59,11 +62,11 @@ def _run_turn(ctl, created: bool, text: str, system: str | None, num_variants: i
         reply = result.replies[0] if result.replies else None
         if reply is not None and len(reply.text) > shown[0]:
             sys.stdout.write(reply.text[shown[0]:])  # text held back while it might have been a stop string
-        sys.stdout.write("\n")
+        sys.stdout.write((cut_mark(reply.finish_reason) if reply is not None else "") + "\n")
     else:
         for reply in result.replies:
             print(f"--- variant {reply.variant or 1} (#{reply.id}) ---")
-            print(reply.text)
+            print(reply.text + cut_mark(reply.finish_reason))
     sys.stdout.flush()
     if result.save_error:
         print(f"pagedchat: error: {result.save_error}", file=sys.stderr)

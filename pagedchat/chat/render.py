@@ -16,14 +16,26 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree as RichTree
 
+from pagedchat.reasoning import split as split_reasoning
 from pagedchat.chat.session import Session
 from pagedchat.chat.tree import Node
 
 MIN_COLUMN_WIDTH = 28
 
 
-def reply_view(text: str):
-    return Markdown(text) if text.strip() else Text("…", style="dim")
+def reply_view(text: str, think: str = "hide", done: bool = True):
+    """A reply as Markdown; reasoning (<think>...</think>) dim above it: in full while it streams or under
+    /think show, else collapsed to one line once the reply is done."""
+    reasoning, answer = split_reasoning(text)
+    body = Markdown(answer) if answer.strip() else Text("…", style="dim")
+    if reasoning is None:
+        return body
+    if done and think != "show":
+        line = Text(f"thought: {first_words(reasoning, 72)} ({len(reasoning.split())} words; /think show)",
+                    style="dim italic")
+    else:
+        line = Text(reasoning, style="dim italic")
+    return Group(line, body) if answer.strip() or not done else line
 
 
 class Tail:
@@ -39,11 +51,12 @@ class Tail:
             yield Segment.line()
 
 
-def variants_view(texts: list[str], titles: list[str], width: int, max_lines: int | None = None):
+def variants_view(texts: list[str], titles: list[str], width: int, max_lines: int | None = None,
+                  think: str = "hide"):
     """Variants side by side when each column gets a readable width, else stacked panels. With
     max_lines, each panel shows only its newest lines (while streaming)."""
     def body(text):
-        view = reply_view(text)
+        view = reply_view(text, think, done=max_lines is None)
         return Tail(view, max_lines) if max_lines else view
 
     panels = [Panel(body(t), title=title, title_align="left", border_style="cyan")
@@ -91,6 +104,8 @@ def node_label(node: Node, on_path: bool, is_head: bool) -> Text:
     label.append(f" ({len(node.token_ids)} tok)", style="dim")
     if node.interrupted:
         label.append(" [interrupted]", style="red")
+    elif node.finish_reason == "length":
+        label.append(" [length]", style="dim")
     if is_head:
         label.append("  ◀ head", style="bold reverse")
     return label
@@ -124,6 +139,8 @@ def conversation_view(nodes: list[Node]):
             header.append(f" (variant {node.variant})", style="cyan")
         if node.interrupted:
             header.append(" [interrupted]", style="red")
+        elif node.finish_reason == "length":
+            header.append(" [length]", style="dim")
         items += [header, reply_view(node.text) if node.role == "assistant" else Text(node.text), Text("")]
     return Group(*items)
 
@@ -189,12 +206,15 @@ def sessions_view(infos, resident: dict, current: str | None) -> Table:
     return table
 
 
-def settings_view(params, sources: dict) -> Table:
+def settings_view(params, sources: dict, chat: dict | None = None) -> Table:
+    """Sampling settings and, from `chat`, the chat's own ({key: (value, source)})."""
     table = Table(box=None, padding=(0, 2), header_style="bold")
     for column in ("setting", "value", "from"):
         table.add_column(column)
     for key in ("temperature", "top_p", "top_k", "min_p", "max_tokens", "seed", "repetition_penalty", "stop"):
         table.add_row(key, repr(getattr(params, key)), sources.get(key, "built-in default"))
+    for key, (value, source) in (chat or {}).items():
+        table.add_row(key, str(value), source)
     return table
 
 
@@ -209,6 +229,7 @@ def export_markdown(session: Session, all_branches: bool = False) -> str:
             lines += [f"## branch {number} (ends at #{path[-1].id})", ""]
         for node in path:
             title = {"system": "System", "user": "User", "assistant": "Assistant"}[node.role]
-            extra = (f" (variant {node.variant})" if node.variant else "") + (" [interrupted]" if node.interrupted else "")
+            extra = (f" (variant {node.variant})" if node.variant else "") + (" [interrupted]" if node.interrupted else
+                                                                           " [length]" if node.finish_reason == "length" else "")
             lines += [f"**{title}**{extra} <!-- #{node.id} -->", "", node.text, ""]
     return "\n".join(lines).rstrip() + "\n"

@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.text import Text
 
 from pagedchat.chat import render
-from pagedchat.chat.controller import SET_KEYS, ChatController
+from pagedchat.chat.controller import ALL_SET_KEYS, ChatController
 from pagedchat.chat.shell import COMMAND_NAMES, ChatShell, ChatUI
 from pagedchat.errors import UserError
+from pagedchat.words import counted
 
 
 def open_block(text: str) -> bool:
@@ -28,7 +29,7 @@ def open_block(text: str) -> bool:
 def banner(ctl: ChatController) -> Text:
     s = ctl.session
     pool = ctl.backend.pool_stats()
-    state = (f"{s.num_messages} messages, {len(s.tree.leaves())} branches" if s.tree.nodes else "new")
+    state = (f"{counted(s.num_messages, 'message')}, {counted(len(s.tree.leaves()), 'branch', 'branches')}" if s.tree.nodes else "new")
     text = Text()
     text.append("pagedchat", style="bold")
     text.append(f" · model {ctl.entry.name} · session {s.name} ({state}) · KV pool {pool.num_blocks} blocks × "
@@ -105,7 +106,7 @@ def _completer(shell: ChatShell):
                 nodes = ctl.session.tree.nodes.values()
                 return [str(n.id) for n in nodes if command == "/switch" or n.role == "user"]
             if command == "/set":
-                return list(SET_KEYS)
+                return list(ALL_SET_KEYS)
             if command == "/help":
                 return [n.lstrip("/") for n in COMMAND_NAMES]
             if command == "/pick" and ctl.current is not None:

@@ -38,6 +38,7 @@ class Session:
     tree: Tree = field(default_factory=Tree)
     handles: dict = field(default_factory=dict, repr=False)  # node id -> pinned engine Branch (not saved)
     set_keys: set = field(default_factory=set, repr=False)   # settings changed with /set in this run
+    compact_next: bool = field(default=False, repr=False)    # /compact: the next message drops old turns
 
     # -- the current branch ---------------------------------------------------------------------------------
     def path(self, node_id: int | None = ...) -> list[Node]:

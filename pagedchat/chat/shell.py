@@ -21,8 +21,9 @@ from rich.text import Text
 
 from pagedchat.chat import render
 from pagedchat.chat.backend import stop_on_ctrl_c
-from pagedchat.chat.controller import MAX_FORK, SET_KEYS, ChatController, TurnResult
+from pagedchat.chat.controller import ALL_SET_KEYS, MAX_FORK, ChatController, TurnResult
 from pagedchat.errors import UserError
+from pagedchat.words import article, counted
 
 REFRESH_S = 1 / 12  # live re-render at most this often: markdown rendering is not free
 
@@ -40,18 +41,19 @@ class StreamView:
         self.texts = [""] * n
         self.titles = [f"variant {i + 1}" for i in range(n)]
         self.live = Live(console=console, auto_refresh=False, transient=True, vertical_overflow="crop")
+        self.think = "hide"             # /think: how reasoning shows once the reply is done
         self.final = None
         self._last = 0.0
 
     def view(self, tail: bool = True):
         height = max(4, self.console.height - 3)
         if self.n == 1:
-            reply = render.reply_view(self.texts[0])
+            reply = render.reply_view(self.texts[0], self.think, done=not tail)
             return render.Tail(reply, height) if tail else reply
         side_by_side = self.console.width // self.n >= render.MIN_COLUMN_WIDTH
         per_panel = (height - 2) if side_by_side else max(1, height // self.n - 2)
         return render.variants_view(self.texts, self.titles, self.console.width,
-                                    max_lines=per_panel if tail else None)
+                                    max_lines=per_panel if tail else None, think=self.think)
 
     def update(self, index: int, text: str) -> None:
         if index >= self.n:
@@ -128,6 +130,7 @@ class Command:
 class ChatShell:
     def __init__(self, ctl: ChatController, ui: ChatUI):
         self.ctl, self.ui = ctl, ui
+        ctl.on_note = ui.note       # notes known before a reply (sampling changed, turns dropped) come first
         self.running = True
         self.commands: dict[str, Command] = {}
         for cmd in _COMMANDS:
@@ -170,6 +173,7 @@ class ChatShell:
     def turn(self, run: Callable, n: int) -> TurnResult | None:
         """Run a generating action with live output, then the notes, the stats line and any save error."""
         view = self.ui.stream(n)
+        view.think = self.ctl.think_mode()
         result = None
         with self.ui.interruptible(self.ctl), view:
             try:
@@ -182,6 +186,10 @@ class ChatShell:
             self.ui.note(f"interrupted: the partial reply is kept as {kept} (marked interrupted)")
         for note in result.notes:
             self.ui.note(note)
+        cut = [f"#{r.id}" for r in result.replies if r.finish_reason == "length" and not r.interrupted]
+        if cut and result.stats.get("capped_max_tokens") is None:
+            self.ui.show(Text(f"[length] {' '.join(cut)} stopped at max_tokens (/set max_tokens N for longer "
+                              f"replies)", style="dim"))
         self.ui.show(render.stats_line(result.stats, ids))
         if len(ids) > 1:
             self.ui.note(f"continuing from variant 1 (#{ids[0]}); /pick K continues from variant K")
@@ -267,8 +275,8 @@ def _open(shell: ChatShell, arg: str) -> None:
     if not arg or " " in arg:
         raise UserError("usage: /open NAME (/sessions lists them)")
     session, _ = shell.ctl.open_session(arg)
-    shell.ui.note(f"session {session.name}: {session.num_messages} messages, {len(session.tree.leaves())} "
-                  f"branches")
+    shell.ui.note(f"session {session.name}: {counted(session.num_messages, 'message')}, "
+                  f"{counted(len(session.tree.leaves()), 'branch', 'branches')}")
     tail = session.path()[-4:]
     if tail:
         shell.ui.show(render.conversation_view(tail))
@@ -311,7 +319,7 @@ def _edit(shell: ChatShell, arg: str) -> None:
     node_id = _node_id(arg, usage)
     node = shell.ctl.session.node(node_id)
     if node.role != "user":
-        raise UserError(f"#{node_id} is a {node.role} message; /edit changes user messages (/regen for "
+        raise UserError(f"#{node_id} is {article(node.role)} message; /edit changes user messages (/regen for "
                         f"replies, /system for the system prompt)")
     parts = arg.split(maxsplit=1)
     text = parts[1] if len(parts) > 1 else shell.ui.ask_edit(node.text)
@@ -352,12 +360,12 @@ def _system(shell: ChatShell, arg: str) -> None:
 def _set(shell: ChatShell, arg: str) -> None:
     if not arg:
         params, sources = shell.ctl.sampling()
-        shell.ui.show(render.settings_view(params, sources))
+        shell.ui.show(render.settings_view(params, sources, {"context_overflow": shell.ctl.overflow_policy()}))
         return
     key, _, value = arg.partition(" ")
     if not value.strip():
-        if key not in SET_KEYS:
-            raise UserError(f"unknown setting {key!r}; keys: {', '.join(SET_KEYS)}")
+        if key not in ALL_SET_KEYS:
+            raise UserError(f"unknown setting {key!r}; keys: {', '.join(ALL_SET_KEYS)}")
         raise UserError(f"usage: /set {key} VALUE (or /set {key} default)")
     shell.ui.note(shell.ctl.set_option(key, value))
 
@@ -365,6 +373,18 @@ def _set(shell: ChatShell, arg: str) -> None:
 def _stats(shell: ChatShell, arg: str) -> None:
     _no_args(arg, "/stats")
     shell.ui.show(render.pool_view(shell.ctl.pool_stats(), shell.ctl.current.name if shell.ctl.current else None))
+
+
+def _think(shell: ChatShell, arg: str) -> None:
+    if not arg:
+        shell.ui.show(Text(f"think {shell.ctl.think_mode()} (/think show|hide|off)"))
+        return
+    shell.ui.note(shell.ctl.set_think(arg.strip().lower()))
+
+
+def _compact(shell: ChatShell, arg: str) -> None:
+    _no_args(arg, "/compact")
+    shell.ui.note(shell.ctl.compact())
 
 
 def _clear(shell: ChatShell, arg: str) -> None:
@@ -399,10 +419,16 @@ _COMMANDS = [
     Command("/pick", "/pick K", "Continue from variant K of the last /fork (the others stay in the tree).", _pick, saves=True),
     Command("/system", "/system [TEXT|--clear]", "Show or set the system prompt; a new one starts a new "
                                                  "branch from the top.", _system, saves=True),
-    Command("/set", "/set [KEY VALUE]", f"Show settings and their sources, or set one of: {', '.join(SET_KEYS)} "
+    Command("/set", "/set [KEY VALUE]", f"Show settings and their sources, or set one of: {', '.join(ALL_SET_KEYS)} "
                                         f"(VALUE 'default' removes the override).", _set, saves=True),
     Command("/stats", "/stats", "KV pool: blocks used/free/cached/shared, prefix-hit rate, pins, blocks per "
                                 "session.", _stats),
+    Command("/think", "/think [show|hide|off]", "Reasoning models (<think>...</think>): show the reasoning in "
+                                                "full, hide it (one dim line once the reply is done; default), or "
+                                                "off (ask the template not to think).", _think, saves=True),
+    Command("/compact", "/compact", "Drop the oldest turns of this branch from the context at the next "
+                                    "message (they stay in the tree); a branch that outgrows the context does "
+                                    "this by itself under context_overflow drop-oldest.", _compact),
     Command("/clear", "/clear", "Clear the screen and start a fresh conversation in this session (nothing is "
                                 "deleted).", _clear, saves=True),
 ]

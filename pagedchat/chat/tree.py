@@ -30,6 +30,10 @@ class Node:
     finish_reason: str | None = None   # stop | length | abort (assistant nodes)
     created: str = field(default_factory=now_iso)
     stats: dict | None = None          # ttft_s, tokens_per_s, prompt_new, prompt_cached, ...
+    # A user message whose prompt dropped the oldest turns to fit the context: {"dropped": [node ids],
+    # "prefix_ids": [the re-rendered ids that stand for the whole path above this node]}. None: the prompt
+    # was the path's own ids.
+    context: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -50,10 +54,16 @@ class Node:
             raise ValueError(f"node {node.id}: unknown role {node.role!r}")
         if not isinstance(node.text, str):
             raise ValueError(f"node {node.id}: text must be a string")
-        if not isinstance(node.token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                           for t in node.token_ids):
+        if not _int_list(node.token_ids):
             raise ValueError(f"node {node.id}: token_ids must be a list of integers")
+        if node.context is not None and not (isinstance(node.context, dict) and _int_list(node.context.get("prefix_ids"))
+                                             and _int_list(node.context.get("dropped"))):
+            raise ValueError(f"node {node.id}: context must hold the lists 'prefix_ids' and 'dropped'")
         return node
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
 
 class Tree:
@@ -109,7 +119,13 @@ class Tree:
         return out[::-1]
 
     def path_tokens(self, node_id: int | None) -> list[int]:
-        return [t for node in self.path(node_id) for t in node.token_ids]
+        """The exact ids of the branch ending at node_id, as the model sees them: the path's ids, or from the
+        newest node whose prompt dropped older turns, that node's re-rendered prefix and the ids after it."""
+        path = self.path(node_id)
+        start = max((i for i, n in enumerate(path) if n.context is not None), default=None)
+        if start is None:
+            return [t for node in path for t in node.token_ids]
+        return list(path[start].context["prefix_ids"]) + [t for node in path[start:] for t in node.token_ids]
 
     def leaves(self) -> list[Node]:
         return [n for n in self.nodes.values() if not self._children.get(n.id)]

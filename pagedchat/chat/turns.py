@@ -28,6 +28,11 @@ class Templater:
         self.end_ids = set(end_token_ids)
         self.kwargs = dict(template_kwargs or {})
 
+    def takes(self, name: str) -> bool:
+        """Whether the chat template reads this variable (e.g. enable_thinking)."""
+        template = self.tok.chat_template
+        return name in (template if isinstance(template, str) else repr(template))
+
     # -- primitives -----------------------------------------------------------------------------------------
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         try:
@@ -75,6 +80,19 @@ class Templater:
         if not any(n.role == "assistant" for n in path):
             return self.encode(full[_common_prefix(done, full):])
         return self.encode(self._closing_glue(done) + self._new_turn(user_text))
+
+    def compacted_turn(self, kept: list[Node], user_text: str) -> tuple[list[int], list[int]]:
+        """(prefix ids, new-turn ids) of a conversation rendered afresh from the kept nodes (the system
+        message and the newest turns) plus a new user message: what a branch that outgrew the context sends
+        instead of its whole history. Rendered as a whole so the template's first-turn rules (BOS, a system
+        prompt folded into the first user turn) apply to the new first turn."""
+        full = self.render(self.messages(kept) + [{"role": "user", "content": user_text}], True)
+        try:
+            done = self.render(self.messages(kept), False) if kept else ""
+        except UserError:   # a template that cannot render a system message alone
+            done = ""
+        cut = len(done) if full.startswith(done) else _common_prefix(done, full)
+        return self.encode(full[:cut]), self.encode(full[cut:])
 
     def _closing_glue(self, done: str) -> str:
         """What the template puts after a reply's content that the model did not generate itself."""

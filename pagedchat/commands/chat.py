@@ -33,6 +33,7 @@ def chat(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    context_overflow: Optional[str] = common.CONTEXT_OVERFLOW,
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
@@ -53,7 +54,7 @@ def chat(
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)
     _check_flags(sampling)
-    ctl, created = start(model_opts, sampling, session, continue_last, system)
+    ctl, created = start(model_opts, sampling, session, continue_last, system, context_overflow=context_overflow)
     console = Console(highlight=False)
     if system is not None and not created and (ctl.session.system or None) != (system or None):
         console.print(Text(ctl.set_system(system), style="yellow"))

@@ -8,6 +8,7 @@ from pagedchat.prompts import chat_prompt_ids, render_chat  # noqa: F401  (re-ex
 from pagedchat.settings import (  # noqa: F401  (re-exported for the commands)
     ModelOptions,
     SamplingOptions,
+    check_overflow,
     cli_words,
     load_engine,
     resolve_sampling,
@@ -33,6 +34,10 @@ REPETITION_PENALTY = typer.Option(None, "--repetition-penalty")
 MAX_TOKENS = typer.Option(None, "--max-tokens", help="Most tokens to generate per reply.")
 SEED = typer.Option(None, "--seed", help="Per-request seed: same seed, same tokens, whatever else runs.")
 STOP = typer.Option(None, "--stop", help="Stop string (repeatable).")
+CONTEXT_OVERFLOW = typer.Option(None, "--context-overflow",
+                                help="When a conversation outgrows the context: stop (refuse the turn) or "
+                                     "drop-oldest (keep the system prompt and the newest turns that fit). "
+                                     "Default: drop-oldest in chat, stop in run and serve.")
 SPECULATE = typer.Option(None, "--speculate", help="Speculative decoding: ngram (drafts copied from the prompt, "
                                                    "history and sibling replies), draft (--draft-model) or off.")
 NUM_DRAFT_TOKENS = typer.Option(None, "--num-draft-tokens", help="Most draft tokens per step (adapted per "

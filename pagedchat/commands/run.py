@@ -15,6 +15,9 @@ from pagedchat.commands import common
 from pagedchat.settings import kv_report
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
+from pagedchat.reasoning import ReasoningStream, starts_thinking
+from pagedchat.reasoning import split as split_reasoning
+from pagedchat.words import cut_mark
 
 
 def register(app: typer.Typer) -> None:
@@ -44,6 +47,7 @@ def run(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    context_overflow: Optional[str] = common.CONTEXT_OVERFLOW,
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
@@ -63,17 +67,18 @@ def run(
                                       stop=stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")
+    _check_combination(prompt, file, session, continue_last, raw, system)
+    common.check_overflow(context_overflow, "--context-overflow")
     if logprobs is not None and (not as_json or session is not None or continue_last):
         raise UserError("--logprobs is reported in --json output: add --json (not with --session/-c)")
     if json_schema is not None and (session is not None or continue_last):
         raise UserError("--json-schema is for one-shot prompts, not --session/-c (in chat: /set schema FILE)")
-    if file is not None and prompt is not None:
-        raise UserError("give a prompt or --file, not both")
     if session is not None or continue_last:
         from pagedchat.chat.oneshot import run_in_session
 
         text = _prompt_text(prompt)
-        code = run_in_session(model_opts, sampling, text, session, continue_last, system, num_variants, as_json)
+        code = run_in_session(model_opts, sampling, text, session, continue_last, system, num_variants, as_json,
+                              context_overflow)
         raise typer.Exit(code)
     grammar = _schema_grammar(json_schema)
     jobs = _read_batch(file) if file is not None else [{"prompt": _prompt_text(prompt)}]
@@ -88,11 +93,28 @@ def run(
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
+    thinking = None if raw else [_opens_thinking(engine, ids) for ids, _ in requests]
     try:
-        code = _generate(engine, entry.name, requests, as_json, batch=file is not None)
+        code = _generate(engine, entry.name, requests, as_json, batch=file is not None, thinking=thinking)
     finally:
         engine.close()  # the prompts' KV goes to the disk tier: the next run with the same prefix loads it
     raise typer.Exit(code)
+
+
+def _check_combination(prompt, file, session, continue_last: bool, raw: bool, system) -> None:
+    """Options that cannot work together are refused by name, never silently dropped."""
+    if file is not None and prompt is not None:
+        raise UserError("give a prompt or --file, not both")
+    if session is not None and continue_last:
+        raise UserError("give --session NAME or -c (the most recent session), not both")
+    in_session = "--session" if session is not None else "-c" if continue_last else None
+    if in_session and file is not None:
+        raise UserError(f"{in_session} continues one conversation and --file runs a batch of independent "
+                        f"prompts: give one or the other")
+    if in_session and raw:
+        raise UserError(f"{in_session} continues a chat, which uses the chat template; --raw has no template")
+    if raw and system is not None:
+        raise UserError("--system needs the chat template; --raw has none")
 
 
 def _schema_grammar(path: Path | None):
@@ -106,7 +128,7 @@ def _schema_grammar(path: Path | None):
 def _prompt_text(prompt: str | None) -> str:
     """The prompt argument, else stdin. Bytes that are not UTF-8 arrive as lone surrogates and would fail
     later inside the tokenizer: refuse them here, saying where they came from."""
-    text = prompt if prompt is not None else _read_stdin()
+    text = require_text(prompt, "prompt") if prompt is not None else _read_stdin()
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -151,10 +173,16 @@ def _read_batch(path: Path) -> list[dict]:
 
 
 def _check_job(path: Path, number: int, job: dict) -> None:
-    """A line's own settings, checked one by one before the model loads, so the error names the line."""
+    """A line's own settings, checked one by one before the model loads, so the error names the line. An
+    unknown key (a typo like "temprature") is an error: ignoring it would run with a setting not asked for."""
     from pagedchat.engine import SamplingParams
 
     keys = [*common.SamplingOptions.__dataclass_fields__, "n"]
+    known = {"prompt", "system", *keys}
+    unknown = [k for k in job if k not in known]
+    if unknown:
+        raise UserError(f"{path}:{number}: unknown key {unknown[0]!r}; a line takes: {', '.join(sorted(known))}")
+    require_text(job["prompt"], f"prompt on line {number} of {path}")
     try:
         SamplingParams(**{k: job[k] for k in keys if job.get(k) is not None})
     except UserError as e:
@@ -163,10 +191,16 @@ def _check_job(path: Path, number: int, job: dict) -> None:
         raise UserError(f"{path}:{number}: \"system\" must be a string")
 
 
-def _generate(engine, model_name: str, requests: list, as_json: bool, batch: bool) -> int:
+def _opens_thinking(engine, ids: list[int]) -> bool:
+    return starts_thinking(engine.tokenizer.decode(ids[-8:]))
+
+
+def _generate(engine, model_name: str, requests: list, as_json: bool, batch: bool, thinking=None) -> int:
+    """thinking: per prompt, whether its reply starts inside <think> (None: --raw, no reasoning split)."""
     start = time.perf_counter()
     ids, refused = _add_all(engine, requests, batch)
     stream = not as_json and not batch and requests[0][1].n == 1
+    shown = ReasoningShown(thinking is not None and thinking[0])
     first_token_at = None
     # Ctrl-C leaves the `with`: closing the driver aborts every request (their blocks freed) and re-raises
     with closing(engine.steps([r for r in ids if r is not None])) as steps:
@@ -174,16 +208,16 @@ def _generate(engine, model_name: str, requests: list, as_json: bool, batch: boo
             first_token_at = first_token_at or (time.perf_counter() if events else None)
             for event in events:
                 if stream and event.text:
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
+                    shown.write(event.text, raw=thinking is None)
     total = time.perf_counter() - start
     outputs = [engine.pop_output(r) if r is not None else refused[i] for i, r in enumerate(ids)]
     if as_json:
-        print(json.dumps(_json_report(engine, model_name, outputs, batch, start, first_token_at, total)))
+        print(json.dumps(_json_report(engine, model_name, outputs, batch, start, first_token_at, total, thinking)))
     elif stream:
-        sys.stdout.write("\n")
+        shown.close()
+        sys.stdout.write(cut_mark(outputs[0].outputs[0].finish_reason) + "\n")
     else:
-        _print_plain(outputs, batch)
+        _print_plain(outputs, batch, thinking)
     errors = [f"prompt {i + 1}: {o.error}" if batch else o.error for i, o in enumerate(outputs) if o.error]
     for message in dict.fromkeys(errors):
         print(f"pagedchat: error: {message}", file=sys.stderr)
@@ -210,25 +244,53 @@ def _add_all(engine, requests: list, batch: bool) -> tuple[list, dict]:
     return ids, refused
 
 
-def _print_plain(outputs, batch: bool) -> None:
+def _print_plain(outputs, batch: bool, thinking) -> None:
     for i, out in enumerate(outputs):
         for variant in out.outputs:
             labels = ([f"prompt {i + 1}"] if batch else []) + ([f"variant {variant.index + 1}"]
                                                               if len(out.outputs) > 1 else [])
             if labels:
                 print(f"--- {' / '.join(labels)} ---")
-            print(variant.text)
+            text = variant.text if thinking is None else split_reasoning(variant.text, thinking[i])[1]
+            print(text + cut_mark(variant.finish_reason))
 
 
-def _json_report(engine, model_name, outputs, batch, start, first_token_at, total) -> dict:
-    def output(v):
-        item = {"text": v.text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
+class ReasoningShown:
+    """Streams a reply to stdout: the answer as it comes; reasoning (<think>...</think>) dim on a terminal
+    and left out when stdout is a pipe (scripts get the answer; --json has the reasoning in its own field)."""
+
+    def __init__(self, thinking: bool):
+        self.stream = ReasoningStream(thinking)
+        self.tty = sys.stdout.isatty()
+
+    def write(self, text: str, raw: bool = False) -> None:
+        pieces = [("answer", text)] if raw else self.stream.feed(text)
+        self._show(pieces)
+
+    def close(self) -> None:
+        self._show(self.stream.flush())
+
+    def _show(self, pieces) -> None:
+        for kind, text in pieces:
+            if kind == "answer":
+                sys.stdout.write(text)
+            elif self.tty:
+                sys.stdout.write(f"\x1b[2m{text}\x1b[0m")
+        sys.stdout.flush()
+
+
+def _json_report(engine, model_name, outputs, batch, start, first_token_at, total, thinking=None) -> dict:
+    def output(v, i):
+        reasoning, text = (None, v.text) if thinking is None else split_reasoning(v.text, thinking[i])
+        item = {"text": text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
+        if reasoning is not None:
+            item["reasoning"] = reasoning    # as OpenAI-compatible servers' reasoning_content
         if v.logprobs is not None:
             item["logprobs"] = _logprobs_json(engine.tokenizer, v.logprobs)
         return item
 
-    def result(out):
-        return {"outputs": [output(v) for v in out.outputs],
+    def result(out, i=0):
+        return {"outputs": [output(v, i) for v in out.outputs],
                 "usage": {"prompt_tokens": out.num_prompt_tokens,
                           "completion_tokens": sum(len(v.token_ids) for v in out.outputs)}}
 
@@ -238,7 +300,7 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
     pool = engine.pool_stats()
     report = {"model": model_name}
     if batch:
-        report["results"] = [result(o) for o in outputs]
+        report["results"] = [result(o, i) for i, o in enumerate(outputs)]
         report["usage"] = {"prompt_tokens": sum(o.num_prompt_tokens for o in outputs), "completion_tokens": completion}
     else:
         report.update(result(outputs[0]))

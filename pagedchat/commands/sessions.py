@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from pagedchat.errors import UserError
+from pagedchat.words import counted
 
 sessions_app = typer.Typer(help="Saved chat sessions ($XDG_DATA_HOME/pagedchat/sessions).",
                            invoke_without_command=True)
@@ -54,7 +55,7 @@ def list_sessions(as_json: bool = typer.Option(False, "--json", help="Print JSON
         console.print(Text(f"no saved sessions in {store.root}; `pagedchat chat` starts one", style="dim"))
         return
     console.print(sessions_view(infos, {}, None))
-    console.print(Text(f"{len(infos)} sessions in {store.root}", style="dim"))
+    console.print(Text(f"{counted(len(infos), 'session')} in {store.root}", style="dim"))
 
 
 @sessions_app.command("show", help="A session's details and its current branch (or the whole tree).")
@@ -70,8 +71,8 @@ def show_session(name: str = typer.Argument(..., help="Session name."),
     session = store.load(name)
     console = _console()
     system = f" · system prompt {session.system!r}" if session.system else ""
-    console.print(Text(f"session {session.name} · model {session.model} · {session.num_messages} messages, "
-                       f"{len(session.tree.leaves())} branches · head #{session.head} · created "
+    console.print(Text(f"session {session.name} · model {session.model} · {counted(session.num_messages, 'message')}, "
+                       f"{counted(len(session.tree.leaves()), 'branch', 'branches')} · head #{session.head} · created "
                        f"{local_time(session.created)} · updated {local_time(session.updated)}{system}",
                        style="bold"))
     console.print(Text(str(store.path(name)), style="dim"))

@@ -66,7 +66,9 @@ class Grammars:
             raise GrammarError("structured output needs the model's fast (tokenizer.json) tokenizer")
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id in eos_token_ids else min(eos_token_ids)
         self.llg = llguidance
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos)
+        as_transformers = getattr(tokenizer, "as_transformers", None)   # pagedchat's own tokenizer wraps it
+        hf_tokenizer = as_transformers() if as_transformers is not None else tokenizer
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos)
         self.vocab_size = vocab_size
         self._compiled: dict[GrammarSpec, str] = {}
 

@@ -21,7 +21,20 @@ log = logging.getLogger("pagedchat.engine")   # with no logging set up, warnings
 
 
 def _available_ram() -> int:
+    """Memory the pool can take without swapping: MemAvailable (free + reclaimable cache) where Linux says
+    it, else the free pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
@@ -67,11 +80,24 @@ class ModelRunner:
                          self._usable_blocks(config) * (self.bytes_per_block + extra_bytes_per_block))
         elif budget is None:
             budget = int(_available_ram() * config.kv_fraction)
+        else:
+            self._check_fits_memory(budget)
         num_blocks = budget // (self.bytes_per_block + extra_bytes_per_block)
         if num_blocks < 1:
             raise SettingError("kv_memory", f"{{name}} {budget} bytes holds no KV block: one block of "
                                             f"{self.block_size} tokens needs {self.bytes_per_block} bytes")
         return int(num_blocks)
+
+    def _check_fits_memory(self, budget: int) -> None:
+        """An explicit budget larger than the device can hold fails here with one line, before the allocation
+        (on CPU an over-large pool is not refused by the allocator: the kernel kills the process later)."""
+        if self.device.type == "cuda":
+            available, where = torch.cuda.mem_get_info(self.device)[0], "free on the GPU"
+        else:
+            available, where = _available_ram(), "of memory available"
+        if budget > available:
+            raise SettingError("kv_memory", f"{{name}} {_gib(budget)} is more than the {_gib(available)} {where}; "
+                                            f"give a smaller size (or leave it out for the default)")
 
     def _usable_blocks(self, config: EngineConfig) -> int:
         """Blocks the default CPU pool can ever fill: every running sequence at the full context."""

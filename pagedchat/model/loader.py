@@ -131,12 +131,17 @@ def load_tokenizer(model_dir: Path, trust_remote_code: bool = False, chat_templa
         if chat_template:
             tokenizer.chat_template = chat_template
         return tokenizer
+    vocab_files = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+    if not any((model_dir / f).exists() for f in vocab_files):
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: it has tokenizer_config.json but no "
+                             f"vocabulary file (tokenizer.json, tokenizer.model or vocab.json); copy the "
+                             f"tokenizer files from the original model")
     from transformers import AutoTokenizer
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
-    except Exception as e:
-        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {str(e).splitlines()[0]}") from None
+    except Exception as e:   # the whole message on one line: its first line alone can stop mid-sentence
+        raise ModelLoadError(f"cannot load the tokenizer in {model_dir}: {' '.join(str(e).split())[:400]}") from None
     if chat_template:
         tokenizer.chat_template = chat_template
     return tokenizer

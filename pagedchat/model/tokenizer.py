@@ -130,6 +130,11 @@ class FastTokenizer:
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     # -- everything else ------------------------------------------------------------------------------------
+    def as_transformers(self):
+        """The transformers tokenizer of the same folder, for libraries that take only that (llguidance),
+        built on first use: the start-up path of `run` never pays for it."""
+        return self._transformers()
+
     def _transformers(self):
         if self._hf is None:
             from transformers import AutoTokenizer

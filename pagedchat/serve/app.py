@@ -44,6 +44,7 @@ class ServeSettings:
     sampling_defaults: dict = field(default_factory=dict)    # models.toml / generation_config.json
     system_prompt: str | None = None                  # used when a chat request has no system message
     template_kwargs: dict | None = None
+    context_overflow: str = "stop"                    # a request's own context_overflow wins
 
 
 def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
@@ -136,10 +137,15 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
             params = params.with_(grammar=tools.call_grammar(offered, family, body.parallel_tool_calls is not False))
         messages = tools.template_messages(messages)
 
+        drop = (body.context_overflow or settings.context_overflow) == "drop-oldest"
+
         def prompt_ids(engine) -> list[int]:
             from pagedchat.prompts import render_chat
 
-            return render_chat(engine, messages, template_kwargs)
+            ids = render_chat(engine, messages, template_kwargs)
+            while drop and _too_long(engine, ids, params) and _drop_oldest_message(messages):
+                ids = render_chat(engine, messages, template_kwargs)
+            return ids
 
         group = await _submit(aengine, [prompt_ids], params, "messages")
         reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True, text=TokenText(tokenizer),
@@ -159,9 +165,14 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         params = params.with_(logprobs=body.logprobs, prompt_logprobs=body.logprobs if body.echo else None)
         prompts = completion_prompts(body)
 
+        drop = (body.context_overflow or settings.context_overflow) == "drop-oldest"
+
         def raw_ids(prompt):
             def build(engine) -> list[int]:
-                return engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                if drop and _too_long(engine, ids, params):    # keep the end of the text, room for the reply
+                    ids = ids[-max(1, engine.max_model_len - min(params.max_tokens, engine.max_model_len // 2)):]
+                return ids
             return build
 
         group = await _submit(aengine, [raw_ids(p) for p in prompts], params, "prompt")
@@ -231,6 +242,22 @@ def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> S
         return params.with_(n=body.n, ignore_eos=body.ignore_eos, grammar=response_grammar(getattr(body, "response_format", None)))
     except UserError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+
+
+def _too_long(engine, ids: list[int], params: SamplingParams) -> bool:
+    """No room for the reply: max_tokens, or half the context if that asks for more."""
+    return len(ids) + min(params.max_tokens, engine.max_model_len // 2) > engine.max_model_len
+
+
+def _drop_oldest_message(messages: list[dict]) -> bool:
+    """Drop the oldest message that is not a system message, keeping the last one; False if none can go."""
+    first = next((i for i, m in enumerate(messages[:-1]) if m["role"] != "system"), None)
+    if first is None:
+        return False
+    del messages[first]
+    while first < len(messages) - 1 and messages[first]["role"] not in ("user", "system"):
+        del messages[first]     # the dropped turn's reply and tool results go with it: a turn starts with a user
+    return True
 
 
 def _context_error(e: ContextTooLong | PoolTooSmall, param: str) -> APIError:

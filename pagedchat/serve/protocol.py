@@ -59,6 +59,9 @@ class _GenerationRequest(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     response_format: Optional[dict[str, Any]] = None    # text | json_object | json_schema (completions too)
+    # pagedchat extension: a prompt over the context is a 400 context_length_exceeded unless the request
+    # opts in to drop-oldest (chat: the oldest non-system messages go; text: the prompt keeps its end)
+    context_overflow: Optional[Literal["stop", "drop-oldest"]] = None
 
 
 class ChatMessage(BaseModel):

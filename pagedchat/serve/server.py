@@ -8,6 +8,7 @@ import socket
 import sys
 
 from pagedchat.errors import UserError
+from pagedchat.settings import check_overflow
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -41,7 +42,7 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def settings_for(entry, api_key: str | None, served_model_name: str | None):
+def settings_for(entry, api_key: str | None, served_model_name: str | None, context_overflow: str | None = None):
     from pagedchat.serve.app import ServeSettings
 
     table = entry.table or {}
@@ -56,11 +57,13 @@ def settings_for(entry, api_key: str | None, served_model_name: str | None):
         sampling_defaults={k: s.value for k, s in entry.sampling_defaults().items()},
         system_prompt=system or None,
         template_kwargs=entry.get("chat_template_kwargs").value or None,
+        context_overflow=context_overflow or check_overflow(entry.get("context_overflow").value,
+                                                            "context_overflow in models.toml") or "stop",
     )
 
 
 def run_server(model_opts, host: str, port: int, api_key: str | None, served_model_name: str | None = None,
-               verbose: bool = False) -> None:
+               verbose: bool = False, context_overflow: str | None = None) -> None:
     import uvicorn
 
     from pagedchat.settings import load_engine
@@ -74,7 +77,7 @@ def run_server(model_opts, host: str, port: int, api_key: str | None, served_mod
     try:
         engine, entry = load_engine(model_opts)
         aengine = AsyncEngine(engine)
-        app = create_app(aengine, settings_for(entry, api_key, served_model_name))
+        app = create_app(aengine, settings_for(entry, api_key, served_model_name, context_overflow))
         config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
                                 timeout_graceful_shutdown=5, lifespan="on")
         server = _make_server(config, aengine)
