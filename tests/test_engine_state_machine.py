@@ -185,16 +185,24 @@ class EngineMachine(RuleBasedStateMachine):
             engine.release(pin)
 
     @precondition(lambda self: self.tiers)
-    @rule(now=st.integers(0, 3))
-    def restart(self, now):
+    @rule(now=st.integers(0, 3), killed=st.booleans())
+    def restart(self, now, killed):
         """The process ends (the pool and RAM tier are written to disk) and a new one starts on the same disk
         folder; earlier branch heads come back as token lists only, through the prefix walk. Drawn a quarter
-        as often as the other rules: a restart empties the pool and the RAM tier."""
+        as often as the other rules: a restart empties the pool and the RAM tier. A killed process (a
+        server's SIGKILL) never closes: the disk keeps only what its last checkpoint wrote."""
         if now:
             return
-        self._drop_everything()
         self._count_tier_hits()
-        self.engine.close()
+        if killed:
+            self.engine.checkpoint()
+            self.engine.tiers.flush()
+            self.engine.tiers.writer.close()    # the process dies here: its writer thread with it
+            self._drop_everything()             # (its handles are token lists to the next engine)
+            COUNTS["killed"] += 1
+        else:
+            self._drop_everything()
+            self.engine.close()
         self.request_ids, self.fork_ids = [], set()
         self._start_engine()
         COUNTS["restarts"] += 1
@@ -299,7 +307,7 @@ def test_engine_state_machine():
     # the run really went through the paths it is meant to exercise
     for path in ("engine preemptions", "preempted", "pins dropped", "switch to evicted head", "cow copies",
                  "failed alone", "finish", "prefix hit tokens", "ram hit tokens", "disk hit tokens", "restarts",
-                 "corrupted files"):
+                 "killed", "corrupted files"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
 
 

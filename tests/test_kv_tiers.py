@@ -1,6 +1,7 @@
 """The RAM and disk KV tiers below the pool: blocks come back token-identical, and no bad cache file (corrupt,
 truncated, foreign, written concurrently) nor an unwritable folder ever changes a token or fails a turn."""
 
+import contextlib
 import errno
 import json
 import os
@@ -245,7 +246,10 @@ def test_run_session_reopened_in_a_new_process_hits_disk(pagedchat_cli, model):
 
 def test_serve_restart_keeps_the_cached_system_prompt(model):
     """The first request after a restart reports cached_tokens > 0: the closing server wrote its cached
-    prompt blocks to the disk tier, and the new one loads them."""
+    prompt blocks to the disk tier, and the new one loads them. A server that is killed instead (never
+    closes) saved them too: it checkpoints its new cached blocks to disk whenever it goes idle."""
+    import time
+
     import httpx
 
     from pagedchat.serve import AsyncEngine, create_app
@@ -255,18 +259,32 @@ def test_serve_restart_keeps_the_cached_system_prompt(model):
 
     system = " ".join(["you are a helpful assistant who answers briefly"] * 6)
 
-    def first_request_cached_tokens(user: str) -> int:
+    @contextlib.contextmanager
+    def server():
         engine, entry = load_engine(ModelOptions(model=str(model), device="cpu", kv_memory="1MiB"),
                                     show_progress=False)
         with serving(create_app(AsyncEngine(engine), settings_for(entry, None, "tiny"))) as url:
-            body = {"model": "tiny", "max_tokens": 2, "temperature": 0,
-                    "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
-            r = httpx.post(url + "/chat/completions", json=body, timeout=60)
-            r.raise_for_status()
-            return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            yield url
 
-    assert first_request_cached_tokens("hello") == 0
-    assert first_request_cached_tokens("what is 17 + 25?") > 0
+    def cached_tokens(url, user: str) -> int:
+        body = {"model": "tiny", "max_tokens": 2, "temperature": 0,
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+        r = httpx.post(url + "/chat/completions", json=body, timeout=60)
+        r.raise_for_status()
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    def disk_blocks() -> int:
+        return sum(folder_usage(p).blocks for p in kv_cache_root().iterdir() if p.is_dir())
+
+    with server() as first:
+        assert cached_tokens(first, "hello") == 0
+        deadline = time.monotonic() + 60   # the idle checkpoint's writes run on the writer thread
+        while disk_blocks() < 4 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with server() as second:           # the first one is still up: it never closed (as if killed)
+            assert cached_tokens(second, "what is 17 + 25?") > 0
+    with server() as third:                # both closed: a plain restart
+        assert cached_tokens(third, "and 6 * 7?") > 0
 
 
 def test_fingerprint_separates_models_and_settings(model, tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _fingerprint_dirs(model: str | None) -> list[Path]:
+    from pagedchat.engine.kv_disk import read_meta
     from pagedchat.engine.kv_fingerprint import kv_cache_root
 
     root = kv_cache_root()
@@ -28,7 +29,7 @@ def _fingerprint_dirs(model: str | None) -> list[Path]:
     if model is None:
         return folders
     digest = _model_digest(model)
-    return [p for p in folders if _meta(p).get("model_digest") == digest]
+    return [p for p in folders if read_meta(p).get("model_digest") == digest]
 
 
 def _model_digest(model: str) -> str:
@@ -40,22 +41,14 @@ def _model_digest(model: str) -> str:
     return model_digest(folder, weight_files(folder))
 
 
-def _meta(folder: Path) -> dict:
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-        return meta if isinstance(meta, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 @cache_app.command("stats", help="Per model fingerprint: blocks, bytes and hits served from disk.")
 def stats(model: Optional[str] = MODEL, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    from pagedchat.engine.kv_disk import folder_usage, read_stats
+    from pagedchat.engine.kv_disk import folder_usage, read_meta, read_stats
     from pagedchat.engine.kv_fingerprint import kv_cache_root
 
     rows = []
     for folder in _fingerprint_dirs(model):
-        usage, meta, hits = folder_usage(folder), _meta(folder), read_stats(folder)
+        usage, meta, hits = folder_usage(folder), read_meta(folder), read_stats(folder)
         rows.append({"fingerprint": folder.name, "model": meta.get("model_path"), "dtype": meta.get("dtype"),
                      "block_size": meta.get("block_size"), "device": meta.get("device"), "blocks": usage.blocks,
                      "bytes": usage.bytes, "hits": hits.get("hits", 0), "hit_tokens": hits.get("hit_tokens", 0)})

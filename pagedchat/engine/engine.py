@@ -145,6 +145,12 @@ class Engine:
                            for i, (b, key) in enumerate(zip(h.block_table, h.block_hashes))]
         self.tiers.write_through(blocks)
 
+    def checkpoint(self) -> None:
+        """Queue the cached blocks the disk tier lacks for writing, without waiting (a server calls this when
+        it goes idle and every so often, so a killed server loses little of its cache)."""
+        if self.tiers is not None:
+            self.tiers.checkpoint(self.pool.cached_blocks())
+
     def close(self) -> None:
         """Write what the pool and the RAM tier hold to disk and wait for the writes. Call before exit."""
         if self.tiers is not None:

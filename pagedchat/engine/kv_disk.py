@@ -76,7 +76,7 @@ class DiskTier:
         self._used: int | None = None   # bytes on disk as last counted (plus our writes since)
         try:
             private_dir(self.folder)
-            if meta is not None and not (self.folder / "meta.json").is_file():
+            if meta is not None and read_meta(self.folder) != meta:   # missing, or damaged: write it again
                 atomic_write(self.folder / "meta.json", json.dumps(meta, indent=1).encode())
         except OSError as e:
             self._stop_writing(e)
@@ -240,8 +240,17 @@ def folder_usage(folder: Path) -> DiskUsage:
 
 
 def read_stats(folder: Path) -> dict:
+    return _read_dict(folder / "stats.json")
+
+
+def read_meta(folder: Path) -> dict:
+    return _read_dict(folder / "meta.json")
+
+
+def _read_dict(path: Path) -> dict:
+    """A JSON object from a file, or {} when it is missing or damaged (another process may have left it so)."""
     try:
-        stats = json.loads((folder / "stats.json").read_text())
-        return stats if isinstance(stats, dict) else {}
+        value = json.loads(path.read_text())
+        return value if isinstance(value, dict) else {}
     except (OSError, ValueError):
         return {}

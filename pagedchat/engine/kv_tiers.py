@@ -87,6 +87,7 @@ class KVTiers:
         self.io, self.ram, self.disk = io, ram, disk
         self.writer = _DiskWriter(disk) if disk is not None else None
         self.disk_hit_tokens = 0
+        self._saved_hit_tokens = 0      # of disk_hit_tokens, already added to the folder's stats.json
 
     # -- down: eviction and write-through -----------------------------------------------------------------
     def spill(self, block: int, key: bytes, tokens: tuple[int, ...]) -> None:
@@ -99,15 +100,16 @@ class KVTiers:
             if self._wants(k):
                 self.writer.submit(k, t, p, wait=False)
 
-    def write_through(self, blocks: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
+    def write_through(self, blocks: list[tuple[int, bytes, tuple[int, ...]]], wait: bool = True) -> None:
         """Write these pool blocks (block, key, tokens) to disk unless they are there already. Copied out in
-        chunks: a whole pool at once would double its memory."""
+        chunks: a whole pool at once would double its memory. wait=False drops what does not fit the writer's
+        queue (a later call offers it again) instead of stalling the caller."""
         todo = [(b, k, t) for b, k, t in blocks if self._wants(k)]
         for start in range(0, len(todo), _CHUNK_BLOCKS):
             chunk = todo[start:start + _CHUNK_BLOCKS]
             payloads = self.io.read_blocks([b for b, _, _ in chunk])
             for (_, key, tokens), payload in zip(chunk, payloads):
-                self.writer.submit(key, tokens, payload, wait=True)
+                self.writer.submit(key, tokens, payload, wait=wait)
 
     def _wants(self, key: bytes) -> bool:
         return self.writer is not None and self.disk.writable and not self.writer.is_pending(key) \
@@ -136,16 +138,24 @@ class KVTiers:
         if self.writer is not None:
             self.writer.flush()
 
-    def close(self, pool_blocks: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
-        """Before the process ends: what the pool and RAM still hold goes to disk (most recent first)."""
+    def checkpoint(self, pool_blocks: list[tuple[int, bytes, tuple[int, ...]]], wait: bool = False) -> None:
+        """Queue for disk what the pool and RAM hold and disk lacks (most recent first), and record the hits
+        so far. A long-running process calls this now and then, so being killed (no close) loses little."""
         if self.writer is None:
             return
-        self.write_through(pool_blocks)
+        self.write_through(pool_blocks, wait)
         for key, tokens, payload in self.ram.items() if self.ram is not None else []:
             if self._wants(key):
-                self.writer.submit(key, tokens, payload, wait=True)
+                self.writer.submit(key, tokens, payload, wait=wait)
+        self.disk.save_stats(self.disk_hit_tokens - self._saved_hit_tokens)
+        self._saved_hit_tokens = self.disk_hit_tokens
+
+    def close(self, pool_blocks: list[tuple[int, bytes, tuple[int, ...]]]) -> None:
+        """Before the process ends: everything worth keeping goes to disk, and the writes finish."""
+        if self.writer is None:
+            return
+        self.checkpoint(pool_blocks, wait=True)
         self.writer.close()
-        self.disk.save_stats(self.disk_hit_tokens)
         self.writer = None
 
 
