@@ -12,6 +12,9 @@ load is the same with and without the disk tier, so it is left out of both). The
 
 from __future__ import annotations
 
+import json
+import random
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -85,9 +88,87 @@ def run_reopen_bench(model_path: Path, model_name: str, histories: tuple[int, ..
 def print_reopen_report(r: dict) -> None:
     from pagedchat.bench.common import print_table
 
+    processes = r["benchmark"] == "chat-reopen-processes"
+    same = "identical_to_reprefill" if processes else "identical_to_never_restarted"
     rows = [[t["history"], t["ttft_disk_s"] * 1000, t["ttft_reprefill_s"] * 1000, t["speedup"],
-             t["disk_hit_tokens"], "yes" if t["identical_to_never_restarted"] else "NO"] for t in r["rows"]]
-    print_table(f"Reopened session, first turn: {r['model']} on {r['device']} — a {r['message_tokens']}-token "
-                f"message after the saved history", ["history", "disk tier TTFT ms", "re-prefill TTFT ms",
-                                                     "speedup", "KV from disk (tokens)", "same reply"],
-                rows, caption=r["machine"])
+             t["disk_hit_tokens"], "yes" if t[same] else "NO"] for t in r["rows"]]
+    where = "new `pagedchat run` processes" if processes else "a fresh engine"
+    print_table(f"Reopened session, first turn in {where}: {r['model']} on {r['device']} — a "
+                f"{r['message_tokens']}-token message after the saved history",
+                ["history", "disk tier TTFT ms", "re-prefill TTFT ms", "speedup", "KV from disk (tokens)",
+                 "same reply as " + ("--kv-disk 0" if processes else "never restarted")], rows, caption=r["machine"])
+
+
+# -- across real processes ----------------------------------------------------------------------------------
+def run_reopen_process_bench(model_path: Path, model_name: str, histories: tuple[int, ...],
+                             message_tokens: int = 64, reply_tokens: int = 16, repeats: int = 3, seed: int = 0,
+                             threads: int | None = None) -> dict:
+    """The outside check's flow, timed: `pagedchat run --session S` makes a session of about `history`
+    tokens, then each new process continues it with `--json`, alternately with the disk tier and with
+    `--kv-disk 0` (the session file is put back before each, so every one continues the same session). TTFT
+    is the `--json` timing.ttft_s (model loading, the same in both, is outside it); the replies must match."""
+    import os
+    import shutil
+
+    from pagedchat.bench.common import machine_description
+
+    words = _Words(model_path, seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-reopen-") as tmp:
+        home = Path(tmp)
+        env = dict(os.environ, XDG_CACHE_HOME=str(home / "cache"), XDG_DATA_HOME=str(home / "data"))
+
+        def run(text: str, *flags: str) -> dict:
+            cmd = [sys.executable, "-c", "from pagedchat.cli import main; main()", "run", "-m", str(model_path),
+                   "--session", "bench", "-t", "0", "--max-tokens", str(reply_tokens),
+                   *(["--threads", str(threads)] if threads else []), "--json", *flags, text]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                raise UserError(f"pagedchat run failed: {proc.stderr.strip().splitlines()[-1:]}")
+            return json.loads(proc.stdout)
+
+        for history in sorted(histories):
+            shutil.rmtree(home, ignore_errors=True)
+            run(words(history))                                       # process 1: the session, saved
+            shutil.copytree(home / "data", home / "saved")
+            disk, plain = [], []
+            for i in range(repeats):
+                message = words(message_tokens)
+                arms = ((disk, ()), (plain, ("--kv-disk", "0")))
+                for runs, flags in arms if i % 2 == 0 else arms[::-1]:   # alternating: load drift hits both
+                    shutil.rmtree(home / "data")
+                    shutil.copytree(home / "saved", home / "data")
+                    out = run(message, *flags)
+                    runs.append(out)
+            row = {"history": history, "prompt_tokens": disk[0]["usage"]["prompt_tokens"],
+                   "ttft_disk_s": _median([o["timing"]["ttft_s"] for o in disk]),
+                   "ttft_reprefill_s": _median([o["timing"]["ttft_s"] for o in plain]),
+                   "disk_hit_tokens": min(o["kv"]["disk_hit_tokens"] for o in disk),
+                   "identical_to_reprefill": all(d["outputs"][0]["token_ids"] == p["outputs"][0]["token_ids"]
+                                                 for d, p in zip(disk, plain))}
+            row["speedup"] = row["ttft_reprefill_s"] / row["ttft_disk_s"]
+            rows.append(row)
+            print(f"pagedchat bench: reopen (processes) {row}", file=sys.stderr, flush=True)
+    at4k = [r for r in rows if r["history"] == 4096]
+    return {"benchmark": "chat-reopen-processes", "model": model_name, "device": "cpu",
+            "machine": machine_description(), "message_tokens": message_tokens, "reply_tokens": reply_tokens,
+            "repeats": repeats, "threads": threads, "rows": rows,
+            "speedup_at_4k": at4k[0]["speedup"] if at4k else None}
+
+
+class _Words:
+    """Seeded random text of about n tokens in the model's own tokenizer (the session and its messages)."""
+
+    def __init__(self, model_path: Path, seed: int):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(model_path / "tokenizer.json"))
+        vocab = sorted(w for w in self.tokenizer.get_vocab() if w.isalpha() and w.isascii())
+        if not vocab:
+            raise UserError(f"the tokenizer of {model_path} has no plain word pieces to build messages from")
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    def __call__(self, n: int) -> str:
+        text = " ".join(self.rng.choice(self.vocab) for _ in range(n))   # a word is at least one token
+        offsets = self.tokenizer.encode(text).offsets
+        return text if len(offsets) <= n else text[:text.rfind(" ", 0, offsets[n][0] + 1)]

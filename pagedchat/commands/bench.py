@@ -145,6 +145,8 @@ def chat(
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also time transformers."),
     reopen: bool = typer.Option(False, "--reopen", help="Instead: reopen a saved session in a fresh engine, "
                                                         "first-turn TTFT with the disk KV tier vs re-prefill."),
+    processes: bool = typer.Option(False, "--processes", help="With --reopen: real `pagedchat run --session` "
+                                                              "processes (a random model gets the demo tokenizer)."),
     device: str = DEVICE,
     dtype: str = DTYPE,
     threads: Optional[int] = THREADS,
@@ -156,7 +158,7 @@ def chat(
     from pathlib import Path
 
     from pagedchat.bench.chat import plot_chat, print_chat_report, run_chat_bench
-    from pagedchat.bench.reopen import print_reopen_report, run_reopen_bench
+    from pagedchat.bench.reopen import print_reopen_report, run_reopen_bench, run_reopen_process_bench
     from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
 
@@ -170,7 +172,15 @@ def chat(
     plot = _plot_path(plot)
     needed = max(histories) + message_tokens + reply_tokens + 64
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
-        path, name = resolve_model(model, random_arch, random_size, Path(tmp), max(4096, -(-needed // 1024) * 1024),
+        max_positions = max(4096, -(-needed // 1024) * 1024)
+        if reopen and processes:
+            result = run_reopen_process_bench(*_chat_model(model, random_arch, random_size, Path(tmp), max_positions),
+                                              histories, message_tokens, reply_tokens, repeats, seed,
+                                              _threads(threads, device))
+            _stamp(result)
+            print_json(result) if as_json else print_reopen_report(result)
+            return
+        path, name = resolve_model(model, random_arch, random_size, Path(tmp), max_positions,
                                    dtype="bfloat16" if random_size == "1b" else "float32")
         if reopen:
             result = run_reopen_bench(path, name, histories, message_tokens, reply_tokens, repeats, block_size,
@@ -229,7 +239,7 @@ def serve(
 
     from pagedchat.bench.common import print_json
     from pagedchat.bench.load import Workload
-    from pagedchat.bench.models import build_chat_bench_model, resolve_device, resolve_model
+    from pagedchat.bench.models import resolve_device
     from pagedchat.bench.serve import SweepParams, check_loopback, plot_serve, print_serve_report, run_serve_bench
 
     url = check_loopback(url) if url else None
@@ -252,11 +262,7 @@ def serve(
                         ttft_target_s=ttft_target, max_seconds=max_seconds, timeout_s=timeout,
                         threads=_threads(threads, device) or 0, device=device)
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
-        if model:
-            path, name = resolve_model(model, None, random_size, Path(tmp))
-        else:
-            path = build_chat_bench_model(random_arch, Path(tmp) / f"{random_arch}-{random_size}", random_size)
-            name = f"random {random_arch} ({random_size}) with the demo tokenizer"
+        path, name = _chat_model(model, random_arch, random_size, Path(tmp))
         result = run_serve_bench(path, name, load, sweep, url=url, show_progress=not as_json)
     if plot:
         plot_serve([result], plot)
@@ -329,6 +335,17 @@ def _batch1_rows(path, threads: Optional[int], repeats: int, peer: Optional[str]
     rows = run_batch1_bench(path, count, repeats=repeats, peer=peer, seed=seed)
     rows["startup"] = startup_times(count, max(3, repeats))
     return rows
+
+
+def _chat_model(model: Optional[str], random_arch: Optional[str], size: str, workdir, max_positions: int = 4096):
+    """(folder, name) of a model that takes chat messages as text: -m MODEL, or random weights of --random
+    ARCH over the demo model's tokenizer and chat template (without either: the demo model)."""
+    from pagedchat.bench.models import build_chat_bench_model, resolve_model
+
+    if model or not random_arch:
+        return resolve_model(model, None, size, workdir)
+    path = build_chat_bench_model(random_arch, workdir / f"{random_arch}-{size}", size, max_positions)
+    return path, f"random {random_arch} ({size}) with the demo tokenizer"
 
 
 def _threads(threads: Optional[int], device: str) -> Optional[int]:
