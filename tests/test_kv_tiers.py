@@ -113,6 +113,20 @@ def test_bad_block_files_are_misses_and_removed(make_engine, reference, kv_dir, 
     assert not path.exists()
 
 
+def test_damaged_bookkeeping_files_change_nothing(make_engine, reference, kv_dir):
+    """meta.json, stats.json and the weight-digest cache are damaged (another process died mid-way, a user
+    edited them): the blocks still load, the tokens are the same, and meta.json is written again."""
+    _save_session(make_engine(kv_disk="8MiB"), PROMPT)
+    (folder,) = [p for p in kv_dir.iterdir() if p.is_dir()]
+    for path in (folder / "meta.json", folder / "stats.json", kv_dir / "weight-digests.json"):
+        path.write_bytes(b"\x00{not json")
+    engine = make_engine(kv_disk="8MiB")
+    out = engine.generate([PROMPT], GREEDY)[0]
+    assert out.disk_hit_tokens == FULL_BLOCKS * 16 and out.outputs[0].token_ids == reference(PROMPT)
+    engine.close()
+    assert kv_disk.read_meta(folder)["block_size"] == 16 and kv_disk.read_stats(folder)["hits"] == FULL_BLOCKS
+
+
 def _tier(folder, fingerprint="fp", capacity=1 << 20):
     return DiskTier(folder, fingerprint, capacity, (2, 3), torch.float32, warn=lambda line: None)
 
