@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from typer.testing import CliRunner
 
 from pagedchat.cli import app
@@ -50,26 +48,6 @@ def test_chat_smoke_reuses_history_and_forks_with_one_copy_per_child():
         assert f["extra_blocks_n"] == f["extra_blocks_one"] + (3 - 1)   # one private tail block per extra child
         assert f["hf_kv_tokens_n"] == 3 * (f["history"] + f["message_tokens"] + 1)
     assert r["max_copies_per_child"] == 1
-
-
-REOPEN = ("--random", "llama", "--random-size", "tiny", "--history", "96", "--message-tokens", "8",
-          "--reply-tokens", "4", "--repeats", "1", "--device", "cpu")
-
-
-def _reopened_from_disk(r: dict, same: str) -> None:
-    (row,) = r["rows"]
-    assert row["history"] == 96 and row["disk_hit_tokens"] >= 80, r   # the history's full blocks
-    assert row[same] is True and row["ttft_disk_s"] > 0 and row["ttft_reprefill_s"] > 0, r
-
-
-def test_chat_reopen_loads_the_history_from_disk_in_a_fresh_engine():
-    _reopened_from_disk(bench("chat", "--reopen", *REOPEN), "identical_to_never_restarted")
-
-
-@pytest.mark.slow
-def test_chat_reopen_in_new_processes():
-    """Six `pagedchat run` starts: slow on a small machine (the CLI test of test_kv_tiers covers the path)."""
-    _reopened_from_disk(bench("chat", "--reopen", "--processes", *REOPEN), "identical_to_reprefill")
 
 
 def test_model_choice_errors_are_user_errors():

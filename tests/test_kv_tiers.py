@@ -301,6 +301,37 @@ def test_serve_restart_keeps_the_cached_system_prompt(model):
         assert cached_tokens(third, "and 6 * 7?") > 0
 
 
+def _bench(*args: str) -> dict:
+    from typer.testing import CliRunner
+
+    from pagedchat.cli import app
+
+    result = CliRunner().invoke(app, ["bench", *args, "--json"])
+    assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+    return json.loads(result.stdout)
+
+
+REOPEN = ("--random", "llama", "--random-size", "tiny", "--history", "96", "--message-tokens", "8",
+          "--reply-tokens", "4", "--repeats", "1", "--device", "cpu")
+
+
+def _reopened_from_disk(r: dict, same: str) -> None:
+    (row,) = r["rows"]
+    assert row["history"] == 96 and row["disk_hit_tokens"] >= 80, r   # the history's full blocks
+    assert row[same] is True and row["ttft_disk_s"] > 0 and row["ttft_reprefill_s"] > 0, r
+
+
+def test_chat_reopen_loads_the_history_from_disk_in_a_fresh_engine():
+    _reopened_from_disk(_bench("chat", "--reopen", *REOPEN), "identical_to_never_restarted")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("PAGEDCHAT_SLOW") != "1", reason="slow: set PAGEDCHAT_SLOW=1")
+def test_chat_reopen_in_new_processes():
+    """Six `pagedchat run` starts: slow on a small machine (test_run_session_reopened_in_a_new_process_hits_disk covers the path)."""
+    _reopened_from_disk(_bench("chat", "--reopen", "--processes", *REOPEN), "identical_to_reprefill")
+
+
 def test_fingerprint_separates_models_and_settings(model, tmp_path, monkeypatch):
     from pagedchat.engine import kv_fingerprint as fp
     from pagedchat.model.loader import weight_files
