@@ -1,8 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch loads OpenMP: idle worker threads sleep instead of spinning. The CLI does the same
+# (pagedchat/threads.py); in a test process spinning threads steal the cores of the servers and CLI
+# subprocesses the tests start, and of anything else running on the machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 

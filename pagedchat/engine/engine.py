@@ -324,7 +324,9 @@ class Engine:
                 if seq.spec is not None:
                     self.speculator.record(seq, 0, 0, 1)
                 events.append(self._append_tokens(seq, [token], now, logprob=logprob))
-        for seq, rows in verified:   # never a grammar or logprobs request: those do not speculate
+        for seq, rows in verified:   # never a logprobs request: those do not speculate
+            if seq.matcher is not None:
+                rows = self.grammars().mask_drafted(rows, seq.draft_ids, seq.matcher)
             tokens, accepted = self.speculator.verify(seq, rows)
             events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
