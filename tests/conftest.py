@@ -64,10 +64,10 @@ def typer_cli():
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """One tiny random HF model per architecture, built once per test session."""
-    from hf_models import ARCHS, build_model
+    from hf_models import ARCHS, NEW_FAMILIES, build_model
 
     root = tmp_path_factory.mktemp("models")
-    return {arch: (root / arch, build_model(arch, root / arch)) for arch in ARCHS}
+    return {arch: (root / arch, build_model(arch, root / arch)) for arch in ARCHS + NEW_FAMILIES}
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,15 @@ def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
     return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_PERSON).digest()
 
 
+def group_key(h: bytes, group: int) -> bytes:
+    """Cache key of a block of layer group `group` (sliding-window groups, engine/window_groups.py): the same
+    tokens' KV of different layers lives in different blocks. Group 0 (every model's only group, or the
+    global layers) keys by the chain hash itself; the others by a digest of it and the group."""
+    if group == 0:
+        return h
+    return hashlib.blake2b(h + struct.pack("<I", group), digest_size=KEY_BYTES, person=_PERSON).digest()
+
+
 @dataclass
 class PoolStats:
     num_blocks: int
@@ -151,29 +160,32 @@ class BlockPool:
         return block, new
 
     # -- prefix cache ---------------------------------------------------------------------------------------
-    def lookup(self, parent_hash: bytes | None, tokens: tuple[int, ...]) -> tuple[int, bytes] | None:
-        """(block, hash) of a cached full block holding exactly `tokens` after the prefix `parent_hash`. The
-        token comparison stays even with a cryptographic key: it costs little and guards the invariant."""
+    def lookup(self, parent_hash: bytes | None, tokens: tuple[int, ...], group: int = 0) -> tuple[int, bytes] | None:
+        """(block, hash) of a cached full block of layer group `group` holding exactly `tokens` after the
+        prefix `parent_hash`. The token comparison stays even with a cryptographic key: it costs little and
+        guards the invariant."""
         if not self.enable_prefix_cache:
             return None
         h = chain_hash(parent_hash, tokens)
-        block = self.hash_to_block.get(h)
+        block = self.hash_to_block.get(group_key(h, group))
         if block is None or self.block_tokens[block] != tokens:
             return None
         return block, h
 
-    def register(self, block: int, parent_hash: bytes | None, tokens: tuple[int, ...]) -> bytes:
-        """Index a block that has just become full and computed. Returns its chain hash."""
+    def register(self, block: int, parent_hash: bytes | None, tokens: tuple[int, ...], group: int = 0) -> bytes:
+        """Index a block (of layer group `group`) that has just become full and computed. Returns its chain
+        hash."""
         assert len(tokens) == self.block_size and self.ref_count[block] > 0
         h = chain_hash(parent_hash, tokens)
         if not self.enable_prefix_cache:
             return h
-        if self.block_hash[block] == h:
+        key = group_key(h, group)
+        if self.block_hash[block] == key:
             return h
-        if h not in self.hash_to_block:  # a duplicate keeps the first copy indexed; this one stays private
+        if key not in self.hash_to_block:  # a duplicate keeps the first copy indexed; this one stays private
             self._forget_hash(block)
-            self.block_hash[block], self.block_tokens[block] = h, tokens
-            self.hash_to_block[h] = block
+            self.block_hash[block], self.block_tokens[block] = key, tokens
+            self.hash_to_block[key] = block
         return h
 
     def record_lookup(self, query_tokens: int, hit_tokens: int, ram_tokens: int = 0, disk_tokens: int = 0) -> None:

@@ -32,6 +32,7 @@ class Sequence:
         self.num_prompt_tokens = request.num_prompt_tokens
         self.block_table: list[int] = []
         self.block_hashes: list[bytes] = []  # chain keys of the leading full, computed blocks
+        self.window_tables: list[list[int]] = []  # sliding-window layer groups' tables (window_groups.py)
         self.num_computed = 0               # tokens whose K/V are in the pool
         self.tier_hits = (0, 0)             # (RAM, disk) tokens loaded back at the last admission
         self.status = SeqStatus.WAITING
