@@ -332,6 +332,15 @@ def test_chat_reopen_in_new_processes():
     _reopened_from_disk(_bench("chat", "--reopen", "--processes", *REOPEN), "identical_to_reprefill")
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("PAGEDCHAT_SLOW") != "1", reason="slow: set PAGEDCHAT_SLOW=1")
+def test_bench_serve_restart():
+    """Four `pagedchat serve` starts (test_serve_restart_keeps_the_cached_system_prompt covers the path)."""
+    (row,) = _bench("chat", "--serve-restart", "--random", "llama", "--random-size", "tiny", "--history", "96",
+                    "--repeats", "1")["rows"]
+    assert row["cached_tokens_disk"] >= 80 and row["cached_tokens_plain"] == 0 and row["identical"], row
+
+
 def test_fingerprint_separates_models_and_settings(model, tmp_path, monkeypatch):
     from pagedchat.engine import kv_fingerprint as fp
     from pagedchat.model.loader import weight_files

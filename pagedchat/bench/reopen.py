@@ -1,13 +1,16 @@
-"""`pagedchat bench chat --reopen`: a saved session reopened after a restart, with and without the disk tier.
+"""`pagedchat bench chat --reopen` / `--reopen --processes` / `--serve-restart`: KV that outlives the process.
 
-For each history length: a first engine answers the history (kept pinned, as a chat turn is), saves it
-(write-through to the disk tier) and closes its tiers; it then answers each message from the pinned history,
-as the never-restarted process would (the reference replies). Then, alternately, a fresh engine with the disk tier and a fresh engine with
-`kv_disk=0` answer that same message after the history: time to first token and the reply. A fresh engine
-stands for the new process: its pool and RAM tier are empty, and the disk folder is all it shares with the
-first one (the model weights are loaded once and shared, which a new process would have to load again: that
-load is the same with and without the disk tier, so it is left out of both). The CLI test
-`test_run_session_reopened_in_a_new_process_hits_disk` runs the same path across real processes.
+--reopen: for each history length a first engine answers the history (kept pinned, as a chat turn is), saves
+it (write-through to the disk tier) and closes its tiers; it then answers each message from the pinned
+history, as the never-restarted process would (the reference replies). Then, alternately, a fresh engine with
+the disk tier and a fresh engine with `kv_disk=0` answer that same message after the history: time to first
+token and the reply. A fresh engine stands for the new process: its pool and RAM tier are empty, and the disk
+folder is all it shares with the first one (the weights are loaded once and shared; a new process would load
+them again, the same with and without the disk tier, so that load is left out of both).
+
+--reopen --processes: the same across real `pagedchat run --session` processes (the outside check's flow).
+
+--serve-restart: the first request after a `pagedchat serve` restart under a shared system prompt.
 """
 
 from __future__ import annotations
@@ -154,6 +157,97 @@ def run_reopen_process_bench(model_path: Path, model_name: str, histories: tuple
             "machine": machine_description(), "message_tokens": message_tokens, "reply_tokens": reply_tokens,
             "repeats": repeats, "threads": threads, "rows": rows,
             "speedup_at_4k": at4k[0]["speedup"] if at4k else None}
+
+
+# -- a serve restart under a shared system prompt --------------------------------------------------------------
+def run_serve_restart_bench(model_path: Path, model_name: str, system_lengths: tuple[int, ...],
+                            user_tokens: int = 32, repeats: int = 2, seed: int = 0,
+                            threads: int | None = None) -> dict:
+    """`pagedchat serve` answers one request under a long system prompt and is stopped (SIGTERM, a clean
+    shutdown); a new server on the same cache folder answers the next user's request under the same system
+    prompt: its TTFT (streamed, client side) and cached_tokens, with the disk tier against `--kv-disk 0`.
+    The arms alternate; each run has its own cache folder."""
+    from pagedchat.bench.common import machine_description
+
+    words = _Words(model_path, seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-restart-") as tmp:
+        for system_tokens in sorted(system_lengths):
+            rows.append(_restart_row(model_path, words, system_tokens, user_tokens, repeats, threads, Path(tmp)))
+            print(f"pagedchat bench: serve restart {rows[-1]}", file=sys.stderr, flush=True)
+    return {"benchmark": "serve-restart", "model": model_name, "device": "cpu", "machine": machine_description(),
+            "user_tokens": user_tokens, "repeats": repeats, "threads": threads, "rows": rows}
+
+
+def _restart_row(model_path: Path, words, system_tokens: int, user_tokens: int, repeats: int,
+                 threads: int | None, tmp: Path) -> dict:
+    import os
+
+    from pagedchat.bench.serve import SweepParams
+
+    system = words(system_tokens)
+    params = SweepParams(threads=threads or 0, pool_blocks=-(-(system_tokens + 4 * user_tokens) // 16) + 32)
+    arms = {"disk": ("--kv-ram", "0", "--kv-disk", "1GiB"), "plain": ("--kv-ram", "0", "--kv-disk", "0")}
+    runs: dict[str, list[dict]] = {"disk": [], "plain": []}
+    for i in range(repeats):
+        users = [words(user_tokens), words(user_tokens)]
+        for arm in ("disk", "plain") if i % 2 == 0 else ("plain", "disk"):   # load drift hits both
+            name = f"{system_tokens}-{arm}-{i}"
+            env = dict(os.environ, XDG_CACHE_HOME=str(tmp / f"cache-{name}"))
+            served = [_serve_one(model_path, params, arms[arm], env, tmp, f"{name}-{n}", system, user)
+                      for n, user in enumerate(users)]                      # the second one is after the restart
+            runs[arm].append(served[1])
+    disk, plain = runs["disk"], runs["plain"]
+    row = {"system_tokens": system_tokens, "prompt_tokens": disk[0]["prompt_tokens"],
+           "ttft_disk_s": _median([r["ttft_s"] for r in disk]), "ttft_plain_s": _median([r["ttft_s"] for r in plain]),
+           "cached_tokens_disk": min(r["cached_tokens"] for r in disk),
+           "cached_tokens_plain": max(r["cached_tokens"] for r in plain),
+           "identical": all(d["text"] == p["text"] for d, p in zip(disk, plain))}
+    row["speedup"] = row["ttft_plain_s"] / row["ttft_disk_s"]
+    return row
+
+
+def _serve_one(model_path: Path, params, tiers: tuple[str, ...], env: dict, log_dir: Path, name: str,
+               system: str, user: str) -> dict:
+    """Start a server, stream one greedy chat request through it, stop the server (cleanly)."""
+    import time
+
+    import httpx
+
+    from pagedchat.bench.serve import SERVED_NAME, ServerProcess
+
+    server = ServerProcess(model_path, "paged", params, log_dir, tiers, env, name)
+    try:
+        url = server.wait_ready()
+        body = {"model": SERVED_NAME, "max_tokens": 8, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True},
+                "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+        start, ttft, text, usage = time.perf_counter(), None, "", {}
+        with httpx.stream("POST", url + "/chat/completions", json=body, timeout=600) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                for choice in chunk.get("choices") or []:
+                    if ttft is None:
+                        ttft = time.perf_counter() - start
+                    text += choice.get("delta", {}).get("content") or ""
+                usage = chunk.get("usage") or usage
+        return {"ttft_s": ttft, "text": text, "prompt_tokens": usage.get("prompt_tokens"),
+                "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
+    finally:
+        server.stop()
+
+
+def print_restart_report(r: dict) -> None:
+    from pagedchat.bench.common import print_table
+
+    rows = [[t["system_tokens"], t["ttft_disk_s"] * 1000, t["ttft_plain_s"] * 1000, t["speedup"],
+             t["cached_tokens_disk"], t["cached_tokens_plain"], "yes" if t["identical"] else "NO"] for t in r["rows"]]
+    print_table(f"First request after a `pagedchat serve` restart under a shared system prompt: {r['model']}",
+                ["system prompt tokens", "disk tier TTFT ms", "--kv-disk 0 TTFT ms", "speedup",
+                 "cached_tokens (disk)", "cached_tokens (--kv-disk 0)", "same reply"], rows, caption=r["machine"])
 
 
 class _Words:

@@ -158,6 +158,9 @@ def chat(
                                                         "first-turn TTFT with the disk KV tier vs re-prefill."),
     processes: bool = typer.Option(False, "--processes", help="With --reopen: real `pagedchat run --session` "
                                                               "processes (a random model gets the demo tokenizer)."),
+    serve_restart: bool = typer.Option(False, "--serve-restart", help="Instead: restart `pagedchat serve` under "
+                                       "a shared system prompt of --history tokens; the first request's TTFT and "
+                                       "cached_tokens after it, disk tier vs --kv-disk 0."),
     device: str = DEVICE,
     dtype: str = DTYPE,
     threads: Optional[int] = THREADS,
@@ -169,7 +172,8 @@ def chat(
     from pathlib import Path
 
     from pagedchat.bench.chat import plot_chat, print_chat_report, run_chat_bench
-    from pagedchat.bench.reopen import print_reopen_report, run_reopen_bench, run_reopen_process_bench
+    from pagedchat.bench.reopen import (print_reopen_report, print_restart_report, run_reopen_bench,
+                                        run_reopen_process_bench, run_serve_restart_bench)
     from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
 
@@ -184,6 +188,12 @@ def chat(
     needed = max(histories) + message_tokens + reply_tokens + 64
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
         max_positions = max(4096, -(-needed // 1024) * 1024)
+        if serve_restart:
+            result = run_serve_restart_bench(*_chat_model(model, random_arch, random_size, Path(tmp), max_positions),
+                                             histories, repeats=repeats, seed=seed, threads=_threads(threads, device))
+            _stamp(result)
+            print_json(result) if as_json else print_restart_report(result)
+            return
         if reopen and processes:
             result = run_reopen_process_bench(*_chat_model(model, random_arch, random_size, Path(tmp), max_positions),
                                               histories, message_tokens, reply_tokens, repeats, seed,
