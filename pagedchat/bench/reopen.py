@@ -230,9 +230,10 @@ def _serve_one(model_path: Path, params, tiers: tuple[str, ...], env: dict, log_
                     continue
                 chunk = json.loads(line[len("data: "):])
                 for choice in chunk.get("choices") or []:
-                    if ttft is None:
+                    content = choice.get("delta", {}).get("content") or ""
+                    if ttft is None and (content or choice.get("finish_reason")):   # not the opening role chunk
                         ttft = time.perf_counter() - start
-                    text += choice.get("delta", {}).get("content") or ""
+                    text += content
                 usage = chunk.get("usage") or usage
         return {"ttft_s": ttft, "text": text, "prompt_tokens": usage.get("prompt_tokens"),
                 "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}
