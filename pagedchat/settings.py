@@ -25,6 +25,7 @@ class ModelOptions:
     kv_memory: Optional[str] = None
     max_context: Optional[int] = None
     kv_allocation: str = "paged"    # serve only: "reserved" is the contiguous-cache peer of `bench serve`
+    quantize: Optional[str] = None  # "int8": weight-only int8 linear layers
 
 
 @dataclass
@@ -57,7 +58,7 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     try:
         config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                               kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
-                              kv_allocation=opts.kv_allocation, chat_template=template)
+                              kv_allocation=opts.kv_allocation, chat_template=template, quantize=opts.quantize)
         return Engine(config, show_progress=show_progress), entry
     except SettingError as e:
         raise UserError(cli_words(e)) from None
@@ -117,7 +118,7 @@ def _strings(stop) -> list:
 
 # EngineConfig setting -> the flag that sets it (run, chat and serve share them: commands/common.py)
 _FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_memory": "--kv-memory",
-          "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation"}
+          "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation", "quantize": "--quantize"}
 
 
 def cli_words(error: Exception) -> str:

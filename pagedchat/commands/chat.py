@@ -33,6 +33,7 @@ def chat(
     block_size: int = common.BLOCK_SIZE,
     kv_memory: Optional[str] = common.KV_MEMORY,
     max_context: Optional[int] = common.MAX_CONTEXT,
+    quantize: Optional[str] = common.QUANTIZE,
 ) -> None:
     from rich.console import Console
     from rich.text import Text
@@ -41,7 +42,7 @@ def chat(
     from pagedchat.chat.repl import run_repl
 
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
-                                    kv_memory=kv_memory, max_context=max_context)
+                                    kv_memory=kv_memory, max_context=max_context, quantize=quantize)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)

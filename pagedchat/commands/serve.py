@@ -33,9 +33,10 @@ def serve(
                                       help="paged, or reserved: every request takes the blocks of its prompt + "
                                            "max_tokens at admission and shares none, as a contiguous KV cache "
                                            "must (the peer `pagedchat bench serve` measures against)."),
+    quantize: Optional[str] = common.QUANTIZE,
 ) -> None:
     from pagedchat.serve.server import run_server
 
     opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size, kv_memory=kv_memory,
-                               max_context=max_context, kv_allocation=kv_allocation)
+                               max_context=max_context, kv_allocation=kv_allocation, quantize=quantize)
     run_server(opts, host, port, api_key, served_model_name, verbose)

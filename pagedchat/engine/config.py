@@ -55,6 +55,7 @@ class EngineConfig:
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
     chat_template: str | None = None  # replaces the folder's template (models.toml chat_template), set at load
+    quantize: str | None = None     # None | "int8": weight-only, per-channel scales, from the fp checkpoint
 
     def __post_init__(self):
         if isinstance(self.kv_memory, str) and self.kv_memory.strip().endswith("%"):
@@ -74,5 +75,7 @@ class EngineConfig:
         if self.kv_allocation == "reserved":
             # A contiguous per-request region cannot hold another request's blocks: no prefix sharing.
             self.enable_prefix_cache = False
+        if self.quantize not in (None, "int8"):
+            raise SettingError("quantize", f"{{name}} must be int8, got {self.quantize!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")
