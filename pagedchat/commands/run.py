@@ -50,6 +50,7 @@ def run(
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
+    quantize: Optional[str] = common.QUANTIZE,
     logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
                                            help="With --json: each output token's logprob and N alternatives."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE",
@@ -57,7 +58,7 @@ def run(
 ) -> None:
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
-                                    num_draft_tokens=num_draft_tokens, draft_model=draft_model)
+                                    num_draft_tokens=num_draft_tokens, draft_model=draft_model, quantize=quantize)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)
