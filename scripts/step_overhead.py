@@ -1,7 +1,8 @@
 """Where a batch-1 decode step's time goes: the engine's Python (scheduler, block tables, batch tensors,
 sampler, output processing) against the model's forward, on the demo model by default.
 
-    python scripts/step_overhead.py [--model demo] [--threads 1] [--tokens 200] [--repeats 5] [--profile]
+    python scripts/step_overhead.py [--model demo|DIR] [--threads 1] [--tokens 200] [--repeats 5] [--quantize int8]
+                                    [--profile]
 
 Each repeat decodes --tokens tokens of one request (greedy, EOS ignored) and times every `Engine.step`
 and the `model(...)` and `compute_logits` calls inside it; "engine Python" is step time minus both. Each is
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quantize", default=None, help="int8: time the weight-only int8 model")
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     from pagedchat import threads
@@ -84,7 +86,7 @@ def main() -> None:
     from pagedchat.registry import Registry
 
     path = str(Registry().resolve(args.model).path)
-    engine = Engine(EngineConfig(model=path, device="cpu", num_blocks=256), show_progress=False)
+    engine = Engine(EngineConfig(model=path, device="cpu", num_blocks=256, quantize=args.quantize), show_progress=False)
     prompt = list(range(5, 37))
     one_repeat(engine, prompt, 8, False)  # warm-up
     runs = [one_repeat(engine, prompt, args.tokens, args.profile and i == 0) for i in range(args.repeats)]
