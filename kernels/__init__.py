@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from .moe_reference import fused_moe_ref
+from .windowed_reference import paged_decode_attention_windowed_ref, paged_prefill_attention_windowed_ref
 from .reference import (
     copy_blocks_ref,
     paged_decode_attention_ref,
@@ -30,17 +32,22 @@ from .reference import (
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 _TRITON_FUNCTIONS = {"paged_decode_attention_triton": "triton_attention",
                      "paged_prefill_attention_triton": "triton_attention",
-                     "write_kv_triton": "triton_cache", "copy_blocks_triton": "triton_cache"}
+                     "write_kv_triton": "triton_cache", "copy_blocks_triton": "triton_cache",
+                     "fused_moe_triton": "triton_moe"}
 
 __all__ = [
     "HAS_TRITON",
     "copy_blocks",
     "copy_blocks_all_layers",
     "copy_blocks_ref",
+    "fused_moe",
+    "fused_moe_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
+    "paged_decode_attention_windowed_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "paged_prefill_attention_windowed_ref",
     "resolve_backend",
     "triton_interpret_enabled",
     "write_kv",
@@ -102,26 +109,37 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     return backend
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, backend=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, backend=None,
+                           sliding_window=None, softcap=None):
     """q [B, Hq, D] attends to its paged context -> [B, Hq, D] (a zero-length row gives zeros).
 
     `out` (optional, shape and dtype of q) receives the result and is returned: every row is written.
+    `sliding_window` W: only the last W keys are seen (and read); `softcap` c: scores -> c * tanh(s / c).
     """
     if resolve_backend(backend, q, k_cache) == "triton":
         decode = _triton_function("paged_decode_attention_triton")
-        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                      sliding_window=sliding_window, softcap=softcap)
+    if sliding_window or softcap:
+        return paged_decode_attention_windowed_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                   sliding_window, softcap, out)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *, out=None,
-                            backend=None):
+                            backend=None, sliding_window=None, softcap=None):
     """Causal attention of each sequence's new tokens (the last ones of its context) -> [total_q, Hq, D].
 
     `out` (optional) receives the result; rows outside every sequence's query range are unspecified.
+    `sliding_window` W: the token at position p sees keys p-W+1..p; `softcap` as for decode.
     """
     if resolve_backend(backend, q, k_cache) == "triton":
         prefill = _triton_function("paged_prefill_attention_triton")
-        return prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out)
+        return prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
+                       sliding_window=sliding_window, softcap=softcap)
+    if sliding_window or softcap:
+        return paged_prefill_attention_windowed_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+                                                    scale, sliding_window, softcap, out)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
                                        out)
 
@@ -150,3 +168,12 @@ def copy_blocks_all_layers(k_caches, v_caches, src, dst, *, backend=None) -> Non
     dst = torch.as_tensor(dst, dtype=torch.long, device=device)
     for k_cache, v_cache in zip(k_caches, v_caches):
         copy_blocks(k_cache, v_cache, src, dst, backend=backend)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids, *, backend=None):
+    """Mixture-of-experts feed-forward: x [T, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I],
+    topk_weights [T, k] (the routing weights, already normalized as the family wants), topk_ids [T, k].
+    Returns sum_j topk_weights[t, j] * w2[e] @ (silu(gate) * up) with e = topk_ids[t, j]  -> [T, H]."""
+    if resolve_backend(backend, x, w13) == "triton":
+        return _triton_function("fused_moe_triton")(x, w13, w2, topk_weights, topk_ids)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

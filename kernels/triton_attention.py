@@ -32,7 +32,8 @@ LOG2E = math.log2(math.e)
 # TRITON_INTERPRET value was at import time; the interpreter maps these two combiners to numpy.
 _max_combine = tl.standard._elementwise_max
 _sum_combine = tl.standard._sum_combine
-_NEG_BIG = tl.constexpr(-1e30)  # initial running max: finite, far below any real score
+_NEG_BIG = tl.constexpr(-1e30)
+_LOG2E = tl.constexpr(LOG2E)  # initial running max: finite, far below any real score
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -41,7 +42,7 @@ _NEG_BIG = tl.constexpr(-1e30)  # initial running max: finite, far below any rea
 
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    scale_log2, num_splits,
+    scale_log2, num_splits, window, softcap,
     stride_qb, stride_qh,
     stride_cb, stride_ct, stride_ch,
     stride_tb,
@@ -51,6 +52,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_BLOCKS: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -59,10 +61,12 @@ def _decode_split_kernel(
 
     # Splits are cut from this sequence's own length (rounded to whole tiles), so a short sequence in
     # a batch sized for long ones still spreads over all its splits; trailing splits may be empty.
+    # With a window only its last `window` keys exist for it (the blocks before may be released).
     seq_len = tl.load(lens_ptr + seq)
-    per_split = (seq_len + num_splits - 1) // num_splits
+    kv_lo = tl.maximum(seq_len - window, 0) if WINDOWED else 0
+    per_split = (seq_len - kv_lo + num_splits - 1) // num_splits
     split_len = (per_split + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    kv_start = split * split_len
+    kv_start = kv_lo + split * split_len
     kv_end = tl.minimum(kv_start + split_len, seq_len)
 
     g = head_block * BLOCK_H + tl.arange(0, BLOCK_H)  # rows: query heads of this KV head's group
@@ -93,6 +97,8 @@ def _decode_split_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_H, BLOCK_N]
+        if SOFTCAP:  # c * tanh(x / c) on the base-2 score s = x log2(e): tanh(y) = 1 - 2 / (e^2y + 1)
+            s = softcap * _LOG2E * (1.0 - 2.0 / (tl.exp2(2.0 * s / softcap) + 1.0))
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
         alpha = tl.exp2(m_i - m_new)
@@ -180,7 +186,8 @@ def _decode_config(head_dim: int) -> dict:
 
 
 def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None, *,
-                                  num_splits: int | None = None):
+                                  num_splits: int | None = None, sliding_window: int | None = None,
+                                  softcap: float | None = None):
     """Triton decode attention; see pagedchat.kernels.paged_decode_attention for the contract."""
     check_cache_pair(k_cache, v_cache)
     batch, num_q_heads, head_dim = q.shape
@@ -199,6 +206,8 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     cfg = _decode_config(head_dim)
     block_h, head_blocks = _head_blocking(group, max_rows=64)
     max_len = block_tables.shape[1] * block_size
+    if sliding_window:
+        max_len = min(max_len, sliding_window + block_size)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads * head_blocks, max_len, cfg["BLOCK_N"], q.device)
     assert num_splits >= 1
@@ -213,7 +222,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
     grid = (batch, num_kv_heads * head_blocks, num_splits)
     kernel(_decode_split_kernel)[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * LOG2E, num_splits,
+        scale * LOG2E, num_splits, int(sliding_window or 0), float(softcap or 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -223,6 +232,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"], HEAD_BLOCKS=head_blocks,
         SINGLE_SPLIT=single, DOT_FP32=interpreting(), PRECISION=dot_precision(k_cache.dtype),
+        WINDOWED=bool(sliding_window), SOFTCAP=bool(softcap),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not single:
@@ -243,7 +253,7 @@ def paged_decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, s
 
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, cu_q_ptr, lens_ptr, out_ptr,
-    scale_log2,
+    scale_log2, window, softcap,
     stride_qt, stride_qh,
     stride_cb, stride_ct, stride_ch,
     stride_tb,
@@ -251,6 +261,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_BLOCKS: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -286,7 +297,9 @@ def _prefill_kernel(
     table_row = table_ptr + seq.to(tl.int64) * stride_tb
     # Keys after the tile's last token are invisible to all its rows: stop there.
     kv_end = tl.minimum(ctx_len, prefix_len + tl.minimum(tile_start + BLOCK_M, q_len))
-    for tile in range(0, kv_end, BLOCK_N):
+    # With a window, keys before the first row's window are invisible to all rows (and may be released).
+    kv_lo = tl.maximum(prefix_len + tile_start - window + 1, 0) if WINDOWED else 0
+    for tile in range(kv_lo, kv_end, BLOCK_N):
         n = tile + tl.arange(0, BLOCK_N)
         n_ok = n < kv_end
         block = tl.load(table_row + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -298,9 +311,13 @@ def _prefill_kernel(
         if DOT_FP32:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        if SOFTCAP:  # c * tanh(x / c) on the base-2 score s = x log2(e): tanh(y) = 1 - 2 / (e^2y + 1)
+            s = softcap * _LOG2E * (1.0 - 2.0 / (tl.exp2(2.0 * s / softcap) + 1.0))
         # Only tiles reaching into the chunk need the causal part of this mask; the prefix tiles
         # pay one compare, which is cheaper than a second copy of the loop body.
         visible = n_ok[None, :] & (n[None, :] <= pos[:, None])
+        if WINDOWED:
+            visible = visible & (n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
         alpha = tl.exp2(m_i - m_new)
@@ -326,7 +343,7 @@ def _prefill_config(head_dim: int) -> dict:
 
 
 def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                   out=None):
+                                   out=None, *, sliding_window: int | None = None, softcap: float | None = None):
     """Triton chunked causal prefill; see pagedchat.kernels.paged_prefill_attention for the contract."""
     check_cache_pair(k_cache, v_cache)
     total_q, num_q_heads, head_dim = q.shape
@@ -358,7 +375,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
     assert grid[1] < 65536 and grid[2] < 65536, "chunk too long for one launch: split the prefill"
     kernel(_prefill_kernel)[grid](
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, out,
-        scale * LOG2E,
+        scale * LOG2E, int(sliding_window or 0), float(softcap or 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0),
@@ -366,6 +383,7 @@ def paged_prefill_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_N=cfg["BLOCK_N"], BLOCK_D=cfg["BLOCK_D"],
         HEAD_BLOCKS=head_blocks, DOT_FP32=interpreting(), PRECISION=dot_precision(k_cache.dtype),
+        WINDOWED=bool(sliding_window), SOFTCAP=bool(softcap),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

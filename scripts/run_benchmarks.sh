@@ -19,7 +19,7 @@ run() {  # run NAME -- COMMAND...: stdout (one JSON object) to $OUT/NAME.json, a
 
 if want memory; then
     run memory -- pagedchat bench memory --json
-    run memory-shared -- pagedchat bench memory --shared-prefix 200 --json --plot docs/img/memory.png
+    run memory-shared -- pagedchat bench memory --shared-prefix 200 --no-window --json --plot docs/img/memory.png
 fi
 if want throughput; then
     run throughput-cpu-small -- pagedchat bench throughput --random llama --random-size small --device cpu \

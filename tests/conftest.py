@@ -1,8 +1,14 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Before torch loads OpenMP: idle worker threads sleep instead of spinning. The CLI does the same
+# (pagedchat/threads.py); in a test process spinning threads steal the cores of the servers and CLI
+# subprocesses the tests start, and of anything else running on the machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -46,10 +52,10 @@ def typer_cli():
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """One tiny random HF model per architecture, built once per test session."""
-    from hf_models import ARCHS, build_model
+    from hf_models import ARCHS, NEW_FAMILIES, build_model
 
     root = tmp_path_factory.mktemp("models")
-    return {arch: (root / arch, build_model(arch, root / arch)) for arch in ARCHS}
+    return {arch: (root / arch, build_model(arch, root / arch)) for arch in ARCHS + NEW_FAMILIES}
 
 
 @pytest.fixture(scope="session")

@@ -12,8 +12,13 @@ EOS = 1
 
 
 class ContentRunner:
-    def __init__(self, num_blocks: int, block_size: int, vocab: int):
+    def __init__(self, num_blocks: int, block_size: int, vocab: int, window_groups=None):
         self.num_blocks, self.block_size, self.vocab = num_blocks, block_size, vocab
+        self.kv_groups = None
+        if window_groups:  # (number of window groups, window): a model whose window layers release blocks
+            from pagedchat.model.kv_groups import KVGroups
+
+            self.kv_groups = KVGroups(1, (0,), (0,), *window_groups)
         self.content = [[None] * block_size for _ in range(num_blocks)]
         self.pool = None            # the engine's pool, given once the engine exists (to check refcounts)
         gen = torch.Generator().manual_seed(0)
@@ -26,10 +31,12 @@ class ContentRunner:
         samplers, rows = [], []
         for seq, n in batch.items:
             tokens = seq.token_ids + seq.draft_ids  # drafts are always scheduled whole, after the last token
-            for p in range(seq.num_computed, seq.num_computed + n):
-                block = seq.block_table[p // self.block_size]
-                assert pool.ref_count[block] == 1, f"write into shared block {block} (refcount {pool.ref_count[block]})"
-                self.content[block][p % self.block_size] = tokens[p]
+            for table in [seq.block_table] + seq.window_tables:
+                for p in range(seq.num_computed, seq.num_computed + n):
+                    block = table[p // self.block_size]
+                    assert block >= 0, f"{seq}: write into a released window block"
+                    assert pool.ref_count[block] == 1, f"write into shared block {block} (refcount {pool.ref_count[block]})"
+                    self.content[block][p % self.block_size] = tokens[p]
             if seq.num_computed + n == len(tokens):
                 samplers.append(seq)
                 rows.extend(tokens[len(tokens) - 1 - len(seq.draft_ids):])
@@ -41,11 +48,28 @@ class ContentRunner:
         for p in range(seq.num_computed):
             got = self.content[seq.block_table[p // self.block_size]][p % self.block_size]
             assert got == seq.token_ids[p], f"{seq}: slot of token {p} holds {got}, expected {seq.token_ids[p]}"
+        if self.kv_groups:
+            self.check_window_tables(seq)
+
+    def check_window_tables(self, seq) -> None:
+        """Every window group: blocks wholly behind the window released, the rest live and holding the
+        right tokens, so the next query (position >= num_computed) finds each key it can see."""
+        bs, window = self.block_size, self.kv_groups.window
+        dead = max(0, seq.num_computed - window + 1) // bs
+        assert len(seq.window_tables) == self.kv_groups.num_window_groups or not seq.block_table
+        for table in seq.window_tables:
+            assert len(table) == len(seq.block_table), f"{seq}: window table {table} out of step"
+            for i, block in enumerate(table[:-(-seq.num_computed // bs)]):
+                assert (block < 0) == (i < dead), f"{seq}: window block {i} of {table} (dead below {dead})"
+            for p in range(dead * bs, seq.num_computed):
+                got = self.content[table[p // bs]][p % bs]
+                assert got == seq.token_ids[p], f"{seq}: window slot of token {p} holds {got}"
 
 
-def fake_engine(num_blocks=32, block_size=8, vocab=24, max_model_len=256, **config) -> tuple[Engine, ContentRunner]:
+def fake_engine(num_blocks=32, block_size=8, vocab=24, max_model_len=256, window_groups=None,
+                **config) -> tuple[Engine, ContentRunner]:
     loaded = NoModel(max_model_len=max_model_len, vocab_size=vocab, eos_token_ids=[EOS], path="fake")
-    runner = ContentRunner(num_blocks, block_size, vocab)
+    runner = ContentRunner(num_blocks, block_size, vocab, window_groups)
     engine = Engine(EngineConfig(model="fake", block_size=block_size, num_blocks=num_blocks, **config),
                     loaded=loaded, runner=runner)
     runner.pool = engine.pool

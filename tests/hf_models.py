@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+NEW_FAMILIES = ("phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3")  # tests/test_model_families.py
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -56,8 +57,53 @@ def make_config(arch: str, vocab_size: int = 320, **overrides):
     elif arch == "qwen3":
         cfg = Qwen3Config(**{**common, "head_dim": 32, "num_attention_heads": 4, **overrides})
     else:
-        raise ValueError(arch)
+        cfg = _new_family_config(arch, common, overrides)
     return cfg
+
+
+def _new_family_config(arch: str, common: dict, overrides: dict):
+    """Phi-3 with partial longrope; Qwen3-MoE with a dense layer among sparse ones; Mixtral; Gemma 2/3 with
+    windows small enough that the test prompts cross them."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MixtralConfig, Phi3Config, Qwen3MoeConfig
+
+    if arch == "phi3":
+        rotary_half = int(16 * 0.75) // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 256, "factor": 2.0,
+                "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                "long_factor": [2.0 + 0.5 * i for i in range(rotary_half)]}
+        return Phi3Config(**{**common, "rope_parameters": rope, "original_max_position_embeddings": 256, **overrides})
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**{**common, "head_dim": 32, "num_hidden_layers": 3, "moe_intermediate_size": 48,
+                                 "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True,
+                                 "mlp_only_layers": [1], **overrides})
+    if arch == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": 48, "num_local_experts": 4,
+                                "num_experts_per_tok": 2, "sliding_window": None, **overrides})
+    gemma = dict(common, head_dim=16, query_pre_attn_scalar=24, sliding_window=24, tie_word_embeddings=True,
+                 hidden_activation="gelu_pytorch_tanh")
+    if arch == "gemma2":
+        return Gemma2Config(**{**gemma, "num_hidden_layers": 4, "attn_logit_softcapping": 5.0,
+                               "final_logit_softcapping": 8.0, **overrides})
+    if arch == "gemma3":
+        layer_types = ["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+        return Gemma3TextConfig(**{**gemma, "num_hidden_layers": 6, "layer_types": layer_types,
+                                   "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                                          "rope_theta": 100000.0},
+                                                       "sliding_attention": {"rope_type": "default",
+                                                                             "rope_theta": 10000.0}},
+                                   **overrides})
+    raise ValueError(arch)
+
+
+def _liven_gemma(model) -> None:
+    """Gemma's norms start at zero (a scale of 1) and its embeddings are multiplied by sqrt(hidden): a random
+    model then just repeats its input token. Random norm scales and small embeddings make every layer count."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0.0, 1.0)
+        model.model.embed_tokens.weight.mul_(0.1)
 
 
 def build_model(arch: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides):
@@ -72,5 +118,7 @@ def build_model(arch: str, path: Path, seed: int = 0, with_tokenizer: bool = Tru
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.eval()
+    if arch.startswith("gemma"):
+        _liven_gemma(model)
     model.save_pretrained(path)
     return model

@@ -163,7 +163,7 @@ def test_model_path_is_a_file(cli, model):
     assert_one_line(code, err, "is a file")
 
 
-@pytest.mark.parametrize("arch,model_type", [("GPT2LMHeadModel", "gpt2"), ("MixtralForCausalLM", "mixtral"),
+@pytest.mark.parametrize("arch,model_type", [("GPT2LMHeadModel", "gpt2"), ("Qwen2MoeForCausalLM", "qwen2_moe"),
                                              (None, "llama")])
 def test_unsupported_architecture(cli, model, tmp_path, arch, model_type):
     folder = tmp_path / "model"
@@ -172,7 +172,8 @@ def test_unsupported_architecture(cli, model, tmp_path, arch, model_type):
     config.update(model_type=model_type, architectures=[arch] if arch else None)
     (folder / "config.json").write_text(json.dumps(config))
     code, _, err = cli("run", "-m", str(folder), "hi")
-    assert_one_line(code, err, f"unsupported architecture {arch!r}", "LlamaForCausalLM", "Qwen3ForCausalLM")
+    assert_one_line(code, err, f"unsupported architecture {arch!r}", "LlamaForCausalLM", "Qwen3ForCausalLM",
+                    "Phi3ForCausalLM", "MixtralForCausalLM", "Gemma3ForCausalLM")
 
 
 @pytest.mark.parametrize("template,message", [

@@ -36,11 +36,14 @@ COUNTS: Counter = Counter()
 class EngineMachine(RuleBasedStateMachine):
     KV_ALLOCATION = "paged"
     ENGINE = {}  # extra engine options (the speculating machine below turns drafts on)
+    WINDOW_GROUPS = None      # (window groups, window) for a model whose window layers release blocks
+    NUM_BLOCKS = 16
 
     def __init__(self):
         super().__init__()
-        self.engine, self.runner = fake_engine(num_blocks=16, block_size=8, max_num_batched_tokens=16,
-                                               kv_allocation=self.KV_ALLOCATION, **self.ENGINE)
+        self.engine, self.runner = fake_engine(num_blocks=self.NUM_BLOCKS, block_size=8, max_num_batched_tokens=16,
+                                               kv_allocation=self.KV_ALLOCATION, window_groups=self.WINDOW_GROUPS,
+                                               **self.ENGINE)
         self.request_ids: list[str] = []
         self.fork_ids: set[str] = set()   # engine.fork children grow from their parent's table, not reserved
         self.heads: list = []        # every handle ever pinned: a chat session keeps them even once evicted
@@ -52,6 +55,16 @@ class EngineMachine(RuleBasedStateMachine):
             real_evict(seq)
 
         scheduler.evict_pin = evict_pin
+        if scheduler.windows:
+            real_attach = scheduler.windows.attach_cached
+
+            def attach_cached(seq, hashes):
+                hit = real_attach(seq, hashes)
+                COUNTS["window prefix hits"] += hit > 0
+                COUNTS["window prefix hits behind released blocks"] += seq.window_tables[0][:1] == [-1]
+                return hit
+
+            scheduler.windows.attach_cached = attach_cached
 
     def pinned(self):
         return list(self.engine.scheduler.pins.values())
@@ -171,6 +184,10 @@ class EngineMachine(RuleBasedStateMachine):
             assert tuple(self.runner.content[block]) == pool.block_tokens[block], f"block {block} hashed wrongly"
         for seq in engine.scheduler.waiting:
             assert not seq.block_table and seq.num_computed == 0, f"waiting {seq} sits on blocks"
+            assert not seq.window_tables, f"waiting {seq} sits on window blocks"
+        if self.WINDOW_GROUPS:
+            COUNTS["released window blocks seen"] += sum(b < 0 for s in self.running() + self.pinned()
+                                                         for t in s.window_tables for b in t)
         if self.KV_ALLOCATION == "reserved":
             self.holds_whole_reply()
 
@@ -209,6 +226,12 @@ SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=N
 
 class ReservedEngineMachine(EngineMachine):
     KV_ALLOCATION = "reserved"
+
+
+class WindowedEngineMachine(EngineMachine):
+    """Two window groups (window 12 tokens) beside the global table: blocks behind every window go back."""
+    WINDOW_GROUPS = (2, 12)
+    NUM_BLOCKS = 26
 
 
 def test_engine_state_machine():
@@ -251,4 +274,17 @@ def test_reserved_engine_state_machine():
     run_state_machine_as_test(ReservedEngineMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
     print(f"\nreserved state machine: {dict(COUNTS)}")
     for path in ("preempted", "failed alone", "finish"):
+        assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
+
+
+def test_windowed_engine_state_machine():
+    """Sliding-window groups: the same invariants, plus window tables released exactly behind the window and
+    holding the right tokens in front of it, through forks, pins, switches (forks at earlier points),
+    prefix-cache hits (released blocks hit again while cached) and preemption."""
+    COUNTS.clear()
+    run_state_machine_as_test(WindowedEngineMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
+    print(f"\nwindowed state machine: {dict(COUNTS)}")
+    for path in ("preempted", "failed alone", "finish", "cow copies", "switch to evicted head",
+                 "released window blocks seen", "window prefix hits",
+                 "window prefix hits behind released blocks"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"

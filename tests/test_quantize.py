@@ -70,7 +70,8 @@ def test_teacher_forced_logits_are_the_engines(model_dirs):
     engine = Engine(EngineConfig(model=str(path), device="cpu", num_blocks=64, enable_prefix_cache=False),
                     show_progress=False)
     prompt = list(range(5, 30))
-    tokens = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = engine.generate([prompt], params)[0].outputs[0].token_ids
     assert teacher_forced_logits(engine, prompt, tokens).argmax(dim=-1).tolist() == tokens
 
 
@@ -108,3 +109,19 @@ def test_quantize_from_the_flag_and_models_toml(model, pagedchat_cli, xdg_home):
     (config / "models.toml").write_text(f'[models.q]\npath = "{model}"\nquantize = "int4"\n')
     code, _, err = pagedchat_cli("run", "-m", "q", "--raw", "hi")
     assert code != 0 and "quantize must be int8 or none, got 'int4'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("arch", ["phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3"])
+def test_int8_runs_on_every_family(model_dirs, arch):
+    """Every family's linear layers go int8; an MoE router stays fp (its experts are not nn.Linear)."""
+    from pagedchat.model.moe import SparseMoE
+
+    engine = Engine(EngineConfig(model=str(model_dirs[arch][0]), device="cpu", num_blocks=128, quantize="int8"),
+                    show_progress=False)
+    model = engine.runner.model
+    routers = [m.gate for m in model.modules() if isinstance(m, SparseMoE)]
+    assert all(type(r) is nn.Linear for r in routers) and (routers or arch not in ("qwen3_moe", "mixtral"))
+    assert sum(isinstance(m, Int8Linear) for m in model.modules()) > len(routers)
+    assert not any(type(m) is not nn.Linear and isinstance(m, nn.Linear) for m in model.modules())
+    out = engine.generate([list(range(5, 30))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 5

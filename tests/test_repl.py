@@ -216,6 +216,7 @@ def test_completer_offers_arguments(ctl):
     assert complete("/set te") == ["temperature"]
     assert complete("/switch ") == ["1", "2"] and complete("/edit ") == ["1"]
     assert complete("/open m") == ["main"]
+    assert complete("/logprobs o") == ["on", "off"] and complete("/think h") == ["hide"]
     assert complete("hello") == []
 
 
@@ -254,3 +255,15 @@ def test_set_schema_constrains_replies(repl, ctl, tmp_path):
     assert "every reply is JSON valid for it" in screen and "unsupported json schema" in screen
     assert "cannot read JSON schema" in screen and "schema off" in screen
     assert len(replies) == 2 and ctl.schema is None
+
+
+def test_logprobs_and_branch_typed_at_the_prompt(repl, ctl):
+    """A person turns /logprobs on, reads the alternatives under the reply, and branches from one."""
+    screen = repl("/logprobs on", "tell me a story", "/logprobs", "/branch 2 1", "/tree")
+    first, second = [n for n in ctl.session.tree.nodes.values() if n.role == "assistant"]
+    assert second.parent == first.parent and second.token_ids[:2] == first.token_ids[:2]
+    assert second.token_ids[2] == first.logprobs[2][1][1][0] != first.token_ids[2]
+    assert f"#{first.id} tokens (index" in screen            # /logprobs: every token of the head reply
+    rows = [line for line in screen.splitlines() if line.strip().split(" ")[:1] == ["2"] and " · 1 " in line]
+    assert rows       # token 2 and its alternatives, rank 1 first
+    assert len([line for line in screen.splitlines() if " new + " in line]) == 2   # two turns, two stats lines

@@ -98,10 +98,14 @@ def test_streamed_tool_call_deltas_and_round_trip(client):
             finish = choice.finish_reason or finish
             assert not (choice.delta.content or "").strip().startswith("<tool_call>")
             for delta in choice.delta.tool_calls or []:
-                entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                if delta.index not in calls:    # a call opens with its id and name, before any argument
+                    assert delta.id and delta.type == "function" and delta.function.name
+                entry = calls.setdefault(delta.index, {"name": "", "arguments": "", "pieces": 0})
                 entry["name"] += (delta.function.name or "") if delta.function else ""
                 entry["arguments"] += (delta.function.arguments or "") if delta.function else ""
+                entry["pieces"] += bool(delta.function and delta.function.arguments)
     assert finish == "tool_calls" and sorted(calls) == list(range(len(calls)))
+    assert all(c["pieces"] > 2 for c in calls.values())     # the arguments arrive as they are generated
     streamed = [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
     assert streamed == [(c.function.name, json.loads(c.function.arguments)) for c in full.message.tool_calls]
     # the round trip: the assistant's call and the tool's result go back; the reply is plain content
@@ -151,6 +155,42 @@ def test_parsers_of_each_family(family, text, content, calls):
     got_content, got_calls = parse_reply(text, family)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+
+
+@pytest.mark.parametrize("family, text", [
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": "}\\"x"}}\n</tool_call>\n'
+               '<tool_call>{"name":"get_weather","arguments":{"city":"Rome","days":[2]}}</tool_call>'),
+    ("mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 3, "b": 4}}, {"name": "x", "arguments": {}}]'),
+    ("llama3", '<|python_tag|>{"name": "add", "parameters": {"a": 5, "b": 6}};{"name": "y", "parameters": {}}'),
+])
+def test_call_stream_sends_each_calls_name_then_its_arguments_as_they_arrive(family, text):
+    """Fed one character at a time, the stream's deltas add up to exactly what the final parse says."""
+    from pagedchat.serve.tools import CallStream, parse_reply
+
+    stream, deltas = CallStream(), []
+    for end in range(1, len(text) + 1):
+        deltas += stream.feed(text[:end])
+    _, parsed = parse_reply(text, family)
+    heads = [d for d in deltas if "id" in d]
+    assert [(d["index"], d["function"]["name"]) for d in heads] == list(enumerate(c.name for c in parsed))
+    for i, call in enumerate(parsed):
+        pieces = [d["function"]["arguments"] for d in deltas if d["index"] == i and "id" not in d]
+        assert len(pieces) > 1 and json.loads("".join(pieces)) == json.loads(call.arguments)
+    assert stream.rest(parsed) == ([], True)
+    assert [c.id for c in parsed] == [d["id"] for d in heads]     # the final calls keep the streamed ids
+
+
+def test_call_stream_leaves_what_it_cannot_read_to_the_final_parse():
+    from pagedchat.serve.tools import CallStream, parse_reply
+
+    text = '<tool_call>{"arguments": {"a": 1, "b": 2}, "name": "add"}</tool_call>'   # name last
+    stream = CallStream()
+    assert all(stream.feed(text[:end]) == [] for end in range(1, len(text) + 1))
+    _, parsed = parse_reply(text, "hermes")
+    assert stream.rest(parsed) == (parsed, True) and parsed[0].name == "add"
+    one = CallStream(parallel=False)      # parallel_tool_calls false: the first call only
+    two = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    assert [d["function"]["name"] for d in one.feed(two) if "id" in d] == ["a"]
 
 
 @pytest.mark.parametrize("family", ["hermes", "mistral", "llama3"])

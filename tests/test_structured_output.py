@@ -134,3 +134,26 @@ def test_run_json_schema(pagedchat_cli, model_dirs, tmp_path):
         code, out, err = pagedchat_cli("run", "-m", str(model_dirs["llama"][0]), "--json-schema",
                                        str(tmp_path / path), "hi")
         assert code != 0 and "JSON schema" in err and "Traceback" not in err
+
+
+def test_schemas_with_speculation_give_the_same_tokens_and_always_validate(model_dirs):
+    """n-gram drafts walk the grammar before they are verified (Grammars.mask_drafted): greedy tokens equal the
+    non-speculative ones, sampled ones still validate, and drafts are really accepted (a JSON array of
+    objects repeats itself, which is what n-gram drafts copy)."""
+    schema = {"type": "array", "minItems": 6, "maxItems": 6, "items": {
+        "type": "object", "properties": {"id": {"enum": [1, 2]}, "ok": {"type": "boolean"}},
+        "required": ["id", "ok"], "additionalProperties": False}}
+    picked = [SCHEMAS[0], SCHEMAS[13], schema]
+    spec = Engine(EngineConfig(model=str(model_dirs["llama"][0]), num_blocks=256, speculate="ngram",
+                               num_draft_tokens=6), show_progress=False)
+    plain = Engine(EngineConfig(model=str(model_dirs["llama"][0]), num_blocks=256), show_progress=False)
+    prompt = plain.encode("the quick brown fox")
+    greedy = [SamplingParams(temperature=0, max_tokens=120, grammar=GrammarSpec.json_schema(s)) for s in picked]
+    want = [o.outputs[0].token_ids for o in plain.generate([prompt] * len(greedy), greedy)]
+    got = [o.outputs[0].token_ids for o in spec.generate([prompt] * len(greedy), greedy)]
+    assert got == want
+    assert spec.stats().spec["accepted_tokens"] > 0
+    sampled = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=120, grammar=GrammarSpec.json_schema(schema))
+    for variant in spec.generate([prompt], sampled)[0].outputs:
+        assert variant.finish_reason == "stop" and valid(variant.text, schema), variant.text
+    spec.check_invariants()

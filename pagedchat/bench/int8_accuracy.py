@@ -25,7 +25,8 @@ def _engine(path: str, quantize: str | None) -> Engine:
 def _forward(model, ids: list[int], start: int, block_size: int, blocks: int) -> torch.Tensor:
     """Logits of `ids` placed at positions start.. of one sequence that owns blocks 0..blocks-1."""
     n, end = len(ids), start + len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(start, end), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+    meta = AttentionMetadata(slot_mapping=torch.arange(start, end),
+                             block_tables=torch.arange(blocks, dtype=torch.int32)[None],
                              seq_lens=torch.tensor([end], dtype=torch.int32),
                              cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), is_decode=n == 1, max_seq_len=end)
     return model.compute_logits(model(torch.tensor(ids), torch.arange(start, end), meta))

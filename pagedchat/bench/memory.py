@@ -124,8 +124,9 @@ class BookkeepingRunner:
     """Stands in for the ModelRunner: no forward pass. The sequences whose chunk reaches their last token
     (exactly the ones the real runner samples) get logits over a one-token vocabulary."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, kv_groups=None):
         self.num_blocks = num_blocks
+        self.kv_groups = kv_groups   # a model's layer groups (sliding-window release), as the real runner has
 
     def run(self, batch):
         import torch
@@ -138,7 +139,7 @@ class PagedSim:
     """The real Engine (its step(), BlockPool and Scheduler) with the model runner swapped for bookkeeping."""
 
     def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_batched_tokens: int,
-                 max_len: int, prefix_cache: bool = True):
+                 max_len: int, prefix_cache: bool = True, kv_groups=None):
         from pagedchat.engine import Engine, EngineConfig
         from pagedchat.engine.seams import NoModel
 
@@ -147,7 +148,7 @@ class PagedSim:
                               max_model_len=max_len, enable_prefix_cache=prefix_cache)
         # no tokenizer, no EOS, any int is a valid token id
         loaded = NoModel(max_model_len=max_len, vocab_size=2**62, path="(simulated)")
-        self.engine = Engine(config, loaded=loaded, runner=BookkeepingRunner(num_blocks))
+        self.engine = Engine(config, loaded=loaded, runner=BookkeepingRunner(num_blocks, kv_groups))
         self.pool, self.scheduler = self.engine.pool, self.engine.scheduler
         self.failed = 0
 

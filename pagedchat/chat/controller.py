@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import codecs
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 
+from pagedchat.chat import alternatives
 from pagedchat.chat.backend import ChatBackend, ContextFull  # noqa: F401  (ContextFull: raised from here)
 from pagedchat.chat.session import Session, check_name
 from pagedchat.chat.store import SaveError, SessionStore
@@ -340,6 +341,59 @@ class ChatController:
             raise UserError("nothing to fork yet: /fork N MESSAGE sends MESSAGE and answers it N ways")
         return self.regen(n, on_update)
 
+    # -- token alternatives ---------------------------------------------------------------------------------
+    def logprobs_on(self) -> bool:
+        return bool(self.session.settings.get("logprobs", False))
+
+    def set_logprobs(self, mode: str) -> str:
+        """`/logprobs on|off`: replies from now on keep their tokens' alternatives (stored in the session)."""
+        if mode not in ("on", "off"):
+            raise UserError("usage: /logprobs on|off (/logprobs alone lists the head reply's alternatives)")
+        self.session.settings["logprobs"] = mode == "on"
+        if mode == "off":
+            return "logprobs off: new replies keep no alternatives (stored ones stay)"
+        return (f"logprobs on: each reply shows where the model hesitated, with up to "
+                f"{alternatives.TOP_ALTERNATIVES - 1} alternatives; /branch INDEX ALT continues from one")
+
+    def branch(self, index: int, word: str, on_update=None) -> TurnResult:
+        """`/branch I ALT`: a sibling of the head reply that keeps its first I tokens, has ALT at position I
+        and is generated on from there (the shared prefix is the pinned reply's KV: one token of prefill)."""
+        s = self.session
+        reply = s.head_node()
+        if reply is None or reply.role != "assistant":
+            raise UserError("/branch starts from a reply: the head is not one (/switch ID to a reply first)")
+        if not 0 <= index < len(reply.token_ids):
+            raise UserError(f"token index {index} is outside reply #{reply.id} (0-{len(reply.token_ids) - 1}; "
+                            f"/logprobs lists them)")
+        row = reply.logprobs[index] if reply.logprobs else None
+        token = alternatives.choose(word, row, reply.token_ids[index], self.templater.decode, self.templater.encode)
+        if token == reply.token_ids[index]:
+            raise UserError(f"token {index} of #{reply.id} already is {self.templater.decode([token])!r}: "
+                            f"name another")
+        user = s.tree.get(reply.parent)
+        start = reply.token_ids[:index] + [token]
+        start_text = self.templater.decode(start)
+        known = [lp for t, lp in row[1] if t == token] if row else []
+        rows = reply.logprobs[:index] + [[known[0], row[1]]] if known and self.logprobs_on() else None
+        if token in self.templater.end_ids:     # the alternative ends the reply: nothing left to generate
+            return self._add_reply(user, start_text, start, rows)
+        params, notes = self._params(1)
+        params = params.with_(max_tokens=max(1, params.max_tokens - len(start)))
+        prompt = s.tree.path_tokens(user.id) + start
+        related = [prompt[-CONTEXT_LEAD - len(start):-len(start)] + reply.token_ids]
+        shown = (lambda i, text: on_update(i, start_text + text)) if on_update is not None else None
+        out, interrupted, stats = self._generate(prompt, params, notes, shown, related)
+        out.outputs = [replace(v, token_ids=start + v.token_ids, text=start_text + v.text) for v in out.outputs]
+        return self._finish(user, out, interrupted, stats, notes, user_node=None, logprob_prefix=rows)
+
+    def _add_reply(self, user: Node, text: str, token_ids: list[int], rows) -> TurnResult:
+        s = self.session
+        reply = s.tree.add(user.id, "assistant", text, token_ids, finish_reason="stop", logprobs=rows)
+        s.head = reply.id
+        result = TurnResult(None, [reply], {"completion_tokens": 0})
+        result.save_error = self.autosave()
+        return result
+
     # -- internals ------------------------------------------------------------------------------------------
     def _path_with_system(self):
         """The head's path; for a conversation that starts now, a system node (reused if one with the same
@@ -394,7 +448,8 @@ class ChatController:
         same reply, so they sample at the model's own temperature (or FORK_TEMPERATURE) and say so."""
         self._apply_think()     # the current session's /think decides what the template is asked
         params, sources = self.sampling(n)
-        params = params.with_(grammar=self.schema[1] if self.schema else None)
+        params = params.with_(grammar=self.schema[1] if self.schema else None,
+                              logprobs=alternatives.TOP_ALTERNATIVES if self.logprobs_on() else None)
         notes = []
         if (n > 1 or vary) and params.temperature == 0:
             lower = self.entry.sampling_defaults().get("temperature")
@@ -437,15 +492,22 @@ class ChatController:
                 "max_context": self.backend.max_model_len, "capped_max_tokens": capped,
                 "blocks_used": pool.used, "num_blocks": pool.num_blocks, "block_size": pool.block_size}
 
-    def _finish(self, parent: Node, out, interrupted: bool, stats: dict, notes: list[str], user_node) -> TurnResult:
+    def _finish(self, parent: Node, out, interrupted: bool, stats: dict, notes: list[str], user_node,
+                logprob_prefix: list | None = None) -> TurnResult:
+        """logprob_prefix: the stored rows of the tokens a /branch reply starts with (its own follow)."""
         s = self.session
         replies = []
         many = stats["variants_requested"] > 1
         for variant in out.outputs:
+            rows = None
+            if variant.logprobs is not None:   # kept only whole: one row per token of the reply
+                rows = (logprob_prefix or []) + alternatives.compact(variant.logprobs)
+                rows = rows if len(rows) == len(variant.token_ids) else None
             reply = s.tree.add(parent.id, "assistant", variant.text, variant.token_ids,
                                interrupted=interrupted or variant.finish_reason == "abort",
                                finish_reason="interrupted" if interrupted else variant.finish_reason,
-                               variant=variant.index + 1 if many else None, stats=_node_stats(stats))
+                               variant=variant.index + 1 if many else None, stats=_node_stats(stats),
+                               logprobs=rows)
             if variant.handle is not None:
                 s.handles[reply.id] = variant.handle
             replies.append(reply)

@@ -6,6 +6,7 @@ containing "[bold]" or "[/]" prints as written.
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 
 from rich.console import Group
@@ -16,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 from rich.tree import Tree as RichTree
 
+from pagedchat.chat import alternatives
 from pagedchat.reasoning import split as split_reasoning
 from pagedchat.chat.session import Session
 from pagedchat.chat.tree import Node
@@ -85,6 +87,32 @@ def stats_line(stats: dict, node_ids: list[int] | None = None) -> Text:
     parts.append(f"{stats.get('completion_tokens', 0)} tok" + (f" ({variants} variants)" if variants > 1 else ""))
     parts.append(f"KV {stats.get('blocks_used', 0)}/{stats.get('num_blocks', 0)} blocks")
     return Text(" · ".join(parts), style="dim")
+
+
+def _percent(logprob: float) -> str:
+    p = math.exp(logprob) * 100
+    return f"{p:.0f}%" if p >= 1 else "<1%"
+
+
+def alternatives_view(node: Node, decode, every: bool = False) -> Text:
+    """A reply's tokens with their alternatives, dim, one line per token: only where the model chose with
+    less than alternatives.SURE (compact, after each reply), or every token (/logprobs with no argument).
+    Each alternative has its rank, so `/branch INDEX RANK` continues from it."""
+    rows = node.logprobs or []
+    listed = [i for i, row in enumerate(rows) if every or alternatives.is_hesitant(row)]
+    out = Text(style="dim")
+    if not listed:
+        out.append(f"#{node.id}: every token chosen with at least {alternatives.SURE:.0%} "
+                   f"(/logprobs lists them all)")
+        return out
+    out.append(f"#{node.id} {'tokens' if every else 'where the model hesitated'} "
+               f"(index  token  probability · alternatives; /branch INDEX RANK|TEXT):")
+    for i in listed:
+        chosen = node.token_ids[i]
+        out.append(f"\n{i:>5}  {decode([chosen])!r} {_percent(rows[i][0])}")
+        for rank, (token, logprob) in enumerate(alternatives.others(rows[i], chosen), 1):
+            out.append(f"  · {rank} {decode([token])!r} {_percent(logprob)}")
+    return out
 
 
 def first_words(text: str, limit: int = 48) -> str:

@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.text import Text
 
 from pagedchat.chat import render
-from pagedchat.chat.controller import ALL_SET_KEYS, ChatController
+from pagedchat.chat.controller import ALL_SET_KEYS, THINK_MODES, ChatController
 from pagedchat.chat.shell import COMMAND_NAMES, ChatShell, ChatUI
 from pagedchat.errors import UserError
 from pagedchat.words import counted
@@ -109,6 +109,10 @@ def _completer(shell: ChatShell):
                 return list(ALL_SET_KEYS)
             if command == "/help":
                 return [n.lstrip("/") for n in COMMAND_NAMES]
+            if command == "/logprobs":
+                return ["on", "off"]
+            if command == "/think":
+                return list(THINK_MODES)
             if command == "/pick" and ctl.current is not None:
                 return [str(k) for k in range(1, len(ctl.session.last_fork) + 1)]
             return []

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from pagedchat.chat import render
+from pagedchat.chat.alternatives import parse_branch_args
 from pagedchat.chat.backend import stop_on_ctrl_c
 from pagedchat.chat.controller import ALL_SET_KEYS, MAX_FORK, ChatController, TurnResult
 from pagedchat.errors import UserError
@@ -190,6 +191,10 @@ class ChatShell:
         if cut and result.stats.get("capped_max_tokens") is None:
             self.ui.show(Text(f"[length] {' '.join(cut)} stopped at max_tokens (/set max_tokens N for longer "
                               f"replies)", style="dim"))
+        if self.ctl.logprobs_on():
+            for reply in result.replies:
+                if reply.logprobs:
+                    self.ui.show(render.alternatives_view(reply, self.ctl.templater.decode))
         self.ui.show(render.stats_line(result.stats, ids))
         if len(ids) > 1:
             self.ui.note(f"continuing from variant 1 (#{ids[0]}); /pick K continues from variant K")
@@ -382,6 +387,24 @@ def _think(shell: ChatShell, arg: str) -> None:
     shell.ui.note(shell.ctl.set_think(arg.strip().lower()))
 
 
+def _logprobs(shell: ChatShell, arg: str) -> None:
+    if arg:
+        shell.ui.note(shell.ctl.set_logprobs(arg.strip().lower()))
+        return
+    head = shell.ctl.session.head_node()
+    state = "on" if shell.ctl.logprobs_on() else "off"
+    if head is None or head.role != "assistant" or not head.logprobs:
+        shell.ui.show(Text(f"logprobs {state}; the head is not a reply with stored alternatives (/logprobs on, "
+                           f"then a reply keeps them)"))
+        return
+    shell.ui.show(render.alternatives_view(head, shell.ctl.templater.decode, every=True))
+
+
+def _branch(shell: ChatShell, arg: str) -> None:
+    index, word = parse_branch_args(arg, "/branch TOKEN_INDEX ALTERNATIVE")
+    shell.turn(lambda on_update: shell.ctl.branch(index, word, on_update=on_update), 1)
+
+
 def _compact(shell: ChatShell, arg: str) -> None:
     _no_args(arg, "/compact")
     shell.ui.note(shell.ctl.compact())
@@ -426,6 +449,14 @@ _COMMANDS = [
     Command("/think", "/think [show|hide|off]", "Reasoning models (<think>...</think>): show the reasoning in "
                                                 "full, hide it (one dim line once the reply is done; default), or "
                                                 "off (ask the template not to think).", _think, saves=True),
+    Command("/logprobs", "/logprobs [on|off]", "on: each reply keeps its tokens' probabilities and up to 4 "
+                                               "alternatives, and lists where the model hesitated; alone: every "
+                                               "token of the head reply.", _logprobs, saves=True),
+    Command("/branch", "/branch TOKEN_INDEX ALTERNATIVE", "A sibling of the head reply that keeps its first "
+                                                           "TOKEN_INDEX tokens, takes ALTERNATIVE (a rank from "
+                                                           "/logprobs, or a token's text, quoted if it has spaces) "
+                                                           "next and goes on; the shared prefix costs nothing.",
+            _branch),
     Command("/compact", "/compact", "Drop the oldest turns of this branch from the context at the next "
                                     "message (they stay in the tree); a branch that outgrows the context does "
                                     "this by itself under context_overflow drop-oldest.", _compact),

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 
+from pagedchat.chat import alternatives
+
 ROLES = ("system", "user", "assistant")
 
 
@@ -34,6 +36,8 @@ class Node:
     # "prefix_ids": [the re-rendered ids that stand for the whole path above this node]}. None: the prompt
     # was the path's own ids.
     context: dict | None = None
+    # With /logprobs on, per reply token: [logprob, [[token_id, logprob], ...]] (chat/alternatives.py).
+    logprobs: list | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +63,9 @@ class Node:
         if node.context is not None and not (isinstance(node.context, dict) and _int_list(node.context.get("prefix_ids"))
                                              and _int_list(node.context.get("dropped"))):
             raise ValueError(f"node {node.id}: context must hold the lists 'prefix_ids' and 'dropped'")
+        if node.logprobs is not None and not (alternatives.is_valid(node.logprobs)
+                                              and len(node.logprobs) == len(node.token_ids)):
+            raise ValueError(f"node {node.id}: logprobs must hold one [logprob, alternatives] row per token")
         return node
 
 

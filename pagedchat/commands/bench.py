@@ -41,19 +41,30 @@ def memory(
     seed: int = typer.Option(0, "--seed", help="Trace seed: same seed, same numbers."),
     sweep: bool = typer.Option(True, "--sweep/--no-sweep", help="Block-size sweep 8..128 (tail waste vs "
                                                                 "table size)."),
+    window: bool = typer.Option(True, "--window/--no-window", help="Sliding-window rows: a Gemma-3-shaped "
+                                "model (5 window : 1 global, window 1024) releasing blocks vs holding them, "
+                                "at 8k and 32k contexts."),
     as_json: bool = JSON,
     plot: Optional[str] = PLOT,
 ) -> None:
     from pagedchat.bench.common import print_json
     from pagedchat.bench.memory import TraceParams, print_memory_report, run_memory_bench
+    from pagedchat.bench.window import print_window_report, run_window_bench
 
     params = TraceParams(requests=requests, max_len=max_len, mean_prompt=mean_prompt, mean_output=mean_output,
                          sigma=sigma, block_size=block_size, pool_tokens=pool_tokens, shared_prefix=shared_prefix,
                          variants=variants, variant_tail=variant_tail, max_batched_tokens=max_batched_tokens,
                          max_seqs=max_seqs, seed=seed)
     result = run_memory_bench(params, sweep=sweep, plot=_plot_path(plot))
+    if window:
+        result["sliding_window"] = run_window_bench()
     _stamp(result)
-    print_json(result) if as_json else print_memory_report(result)
+    if as_json:
+        print_json(result)
+        return
+    print_memory_report(result)
+    if window:
+        print_window_report(result["sliding_window"])
 
 
 MODEL = typer.Option(None, "-m", "--model", help="models.toml name or local HF folder.")

@@ -76,6 +76,9 @@ def show_model(name: str = typer.Argument(..., help="models.toml name or alias, 
     entry = registry.resolve(name)
     rows = [("model", entry.name, registry.where(entry.name) if entry.table else "command line (a folder)"),
             ("path", str(entry.path), _status(entry.path, entry.source))]
+    family = _family(entry.path)
+    if family is not None:
+        rows.append(("family", family, "the model's config.json"))
     for key in ENTRY_SETTINGS:
         setting = entry.get(key)
         if key == "source" or setting.value is None and key not in ("dtype", "max_context"):
@@ -132,6 +135,18 @@ def _status(path: Path, source: str) -> str:
     if source.startswith("hf:") or (source.count("/") == 1 and not source.startswith(("pkg:", ".", "/", "~"))):
         return "HF repo id (loaded from the local HF cache)"
     return "missing"
+
+
+def _family(path: Path) -> Optional[str]:
+    """The model family its config.json's `architectures` names (or that it is unsupported)."""
+    from pagedchat.model.families import family_for
+
+    try:
+        arch = (json.loads((Path(path) / "config.json").read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError):
+        return None
+    family = family_for(arch)
+    return f"{family.name}: {family.label}" if family else f"unsupported architecture {arch!r}"
 
 
 def _max_positions(path: Path) -> Optional[int]:

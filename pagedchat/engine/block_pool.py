@@ -18,6 +18,13 @@ def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 
 
+def group_key(h: int, group: int) -> int:
+    """Cache key of a block of layer group `group` (sliding-window groups, engine/window_groups.py): the same
+    tokens' KV of different layers lives in different blocks. Group 0 (every model's only group, or the
+    global layers) keys by the chain hash itself."""
+    return h if group == 0 else hash((h, group))
+
+
 @dataclass
 class PoolStats:
     num_blocks: int
@@ -128,28 +135,31 @@ class BlockPool:
         return block, new
 
     # -- prefix cache ---------------------------------------------------------------------------------------
-    def lookup(self, parent_hash: int | None, tokens: tuple[int, ...]) -> tuple[int, int] | None:
-        """(block, hash) of a cached full block holding exactly `tokens` after the prefix `parent_hash`."""
+    def lookup(self, parent_hash: int | None, tokens: tuple[int, ...], group: int = 0) -> tuple[int, int] | None:
+        """(block, hash) of a cached full block of layer group `group` holding exactly `tokens` after the
+        prefix `parent_hash`."""
         if not self.enable_prefix_cache:
             return None
         h = chain_hash(parent_hash, tokens)
-        block = self.hash_to_block.get(h)
+        block = self.hash_to_block.get(group_key(h, group))
         if block is None or self.block_tokens[block] != tokens:
             return None
         return block, h
 
-    def register(self, block: int, parent_hash: int | None, tokens: tuple[int, ...]) -> int:
-        """Index a block that has just become full and computed. Returns its chain hash."""
+    def register(self, block: int, parent_hash: int | None, tokens: tuple[int, ...], group: int = 0) -> int:
+        """Index a block (of layer group `group`) that has just become full and computed. Returns its chain
+        hash."""
         assert len(tokens) == self.block_size and self.ref_count[block] > 0
         h = chain_hash(parent_hash, tokens)
         if not self.enable_prefix_cache:
             return h
-        if self.block_hash[block] == h:
+        key = group_key(h, group)
+        if self.block_hash[block] == key:
             return h
-        if h not in self.hash_to_block:  # a duplicate keeps the first copy indexed; this one stays private
+        if key not in self.hash_to_block:  # a duplicate keeps the first copy indexed; this one stays private
             self._forget_hash(block)
-            self.block_hash[block], self.block_tokens[block] = h, tokens
-            self.hash_to_block[h] = block
+            self.block_hash[block], self.block_tokens[block] = key, tokens
+            self.hash_to_block[key] = block
         return h
 
     def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:

@@ -36,6 +36,7 @@ from pagedchat.engine.sampling_params import SamplingParams
 from pagedchat.engine.scheduler import Scheduler
 from pagedchat.engine.seams import ModelSource, StepRunner
 from pagedchat.engine.sequence import Request, Sequence, SeqStatus
+from pagedchat.engine.window_groups import WindowTables
 from pagedchat.engine.speculative import NgramProposer, Speculator
 from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError
 from pagedchat.model.loader import load_model
@@ -57,10 +58,13 @@ class Engine:
         self.max_model_len = self.loaded.max_model_len
         self.draft = self._load_draft(config, show_progress)
         self.runner = runner or ModelRunner(self.loaded, config, self._draft_bytes_per_block(config))
+        groups = getattr(self.runner, "kv_groups", None)
+        windowed = groups is not None and groups.num_window_groups > 0
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
+        windows = WindowTables(self.pool, groups.num_window_groups, groups.window) if windowed else None
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    reserve_upfront=config.kv_allocation == "reserved",
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len, windows=windows)
         self.sampler = Sampler()
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._speculators: dict[str, Speculator] = {}
@@ -278,7 +282,9 @@ class Engine:
                 if seq.spec is not None:
                     self.speculator.record(seq, 0, 0, 1)
                 events.append(self._append_tokens(seq, [token], now, logprob=logprob))
-        for seq, rows in verified:   # never a grammar or logprobs request: those do not speculate
+        for seq, rows in verified:   # never a logprobs request: those do not speculate
+            if seq.matcher is not None:
+                rows = self.grammars().mask_drafted(rows, seq.draft_ids, seq.matcher)
             tokens, accepted = self.speculator.verify(seq, rows)
             events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
@@ -316,9 +322,7 @@ class Engine:
     def _fork_sequence(self, parent: Sequence, request: Request, index: int) -> Sequence:
         """A child sharing every block of parent (refcount + 1 each); its own sampling stream."""
         child = Sequence(request, index, parent.token_ids)
-        child.block_table = self.pool.fork_table(parent.block_table)
-        child.block_hashes = list(parent.block_hashes)
-        child.num_computed = parent.num_computed
+        self.scheduler.fork_into(parent, child)
         child.generator = variant_generator(request.params.seed, index, self.device)
         child.matcher = self._matcher(request.params, inherit=parent)
         request.sequences.append(child)
@@ -428,7 +432,8 @@ class Engine:
     def blocks_held(self, handles: Iterable[Branch | Sequence | None]) -> int:
         """Distinct blocks held by these pinned branches (what a session costs the pool)."""
         seqs = [_sequence(h) for h in handles]
-        return len({b for s in seqs if s is not None and s.status == SeqStatus.PINNED for b in s.block_table})
+        pinned = [s for s in seqs if s is not None and s.status == SeqStatus.PINNED]
+        return len({b for s in pinned for t in [s.block_table, *WindowTables.live_tables(s)] for b in t})
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.scheduler.all_tables())

@@ -114,5 +114,21 @@ class Grammars:
         return masked
 
 
+    def mask_drafted(self, logits: torch.Tensor, drafts: list[int], matcher) -> torch.Tensor:
+        """The 1 + k rows of a speculating sequence, row i masked by the grammar state after drafts[:i]: the
+        matcher walks the drafts and is rolled back, so the tokens kept are consumed once, on append. Rows
+        past the first draft the grammar refuses stay unmasked: verification rejects that draft (its
+        probability is 0 under its row's mask) and never reads them."""
+        masked, walked = logits.clone(), 0
+        for i in range(len(drafts) + 1):
+            masked[i:i + 1] = self.mask(logits[i:i + 1], [matcher])
+            if i == len(drafts) or masked[i, drafts[i]] == float("-inf"):
+                break
+            assert matcher.consume_token(drafts[i]), matcher.get_error()
+            walked += 1
+        matcher.rollback(walked)
+        return masked
+
+
 def _first_line(message: str) -> str:
     return message.strip().splitlines()[0] if message.strip() else "rejected by the grammar library"

@@ -52,21 +52,31 @@ class ModelRunner:
         self.device = loaded.device
         self.block_size = config.block_size
         spec = loaded.spec
-        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size)
+        # Models with sliding-window layer groups (window_groups.py): a block holds `num_slots` layers, and
+        # each layer reads the cache tensor of its slot through its group's block table.
+        self.kv_groups = self.model.kv_groups() if hasattr(self.model, "kv_groups") else None
+        num_slots = self.kv_groups.num_slots if self.kv_groups else spec.num_layers
+        slots = self.kv_groups.layer_slot if self.kv_groups else range(spec.num_layers)
+        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size) * num_slots // spec.num_layers
         self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
         shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
         # Not zero-filled: no path reads a slot before it is written, or it masks what it reads (past a
         # sequence's end, whatever the memory holds, NaN included: tests poison the pool to prove it). On CPU
         # the untouched pages of a large pool then cost nothing at all.
-        self.k_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
-        self.v_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.k_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
+        self.v_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
         backend = "torch" if self.device.type == "cpu" else "auto"
-        for layer, k, v in zip(self.model.attention_layers(), self.k_caches, self.v_caches):
-            layer.k_cache, layer.v_cache, layer.backend = k, v, backend
+        for layer, slot in zip(self.model.attention_layers(), slots):
+            layer.k_cache, layer.v_cache, layer.backend = self.k_caches[slot], self.v_caches[slot], backend
+        for moe in getattr(self.model, "moe_layers", list)():
+            moe.backend = backend
         self.backend = backend
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and not self._window_groups():
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
+
+    def _window_groups(self) -> int:
+        return self.kv_groups.num_window_groups if self.kv_groups else 0
 
     def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:
@@ -209,8 +219,24 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             is_decode=cu[-1] == len(batch.items),
             max_seq_len=max(seq_lens))
+        if self._window_groups():
+            meta.window_metas = [self._group_meta(batch, g, meta) for g in range(self._window_groups())]
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
                 meta, sample_rows, samplers)
+
+    def _group_meta(self, batch: ScheduledBatch, group: int, meta: AttentionMetadata) -> AttentionMetadata:
+        """The same step seen through window group `group`'s tables (released entries are -1: never read)."""
+        bs, dev = self.block_size, self.device
+        slots, tables = [], []
+        width = max(len(seq.window_tables[group]) for seq, _ in batch.items)
+        for seq, n in batch.items:
+            table = seq.window_tables[group]
+            slots.extend(table[p // bs] * bs + p % bs for p in range(seq.num_computed, seq.num_computed + n))
+            tables.append(table + [0] * (width - len(table)))
+        return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev),
+                                 torch.tensor(tables, dtype=torch.int32, device=dev), meta.seq_lens,
+                                 meta.cu_seqlens_q, meta.is_decode, meta.max_seq_len)
+
 
 class DecodeGraphs:
     """CUDA graphs of the decode step for a ladder of batch sizes; a batch is padded up to the next size.

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from pagedchat.engine.block_pool import BlockPool, chain_hash
 from pagedchat.engine.sequence import Sequence, SeqStatus
+from pagedchat.engine.window_groups import WindowTables
 
 
 @dataclass
@@ -33,9 +34,11 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 reserve_upfront: bool = False, max_model_len: int | None = None):
+                 reserve_upfront: bool = False, max_model_len: int | None = None,
+                 windows: WindowTables | None = None):
         assert not reserve_upfront or max_model_len, "up-front reservation needs the context length"
         self.pool = pool
+        self.windows = windows      # the sliding-window layer groups' tables, for models that have them
         self.reserve_upfront = reserve_upfront
         self.max_model_len = max_model_len
         self.block_size = pool.block_size
@@ -125,6 +128,8 @@ class Scheduler:
         for seq, n in batch.items:
             seq.num_computed += n - len(seq.draft_ids)  # drafted slots count once verified (Engine)
             self._register_full_blocks(seq)
+            if self.windows:  # drafts are not counted yet: what they would free goes at a later commit
+                self.windows.release_behind(seq)
 
     def _fit_drafts(self, seq: Sequence, budget: int) -> int:
         """Tokens to schedule for a running sequence: its uncomputed tokens, plus its drafts as far as the
@@ -156,7 +161,8 @@ class Scheduler:
         end = self.blocks_for(seq.num_computed + n)
         new = max(0, end - len(seq.block_table))
         written = seq.block_table[seq.num_computed // self.block_size:end]
-        return new + sum(1 for b in written if self.pool.ref_count[b] > 1)
+        shared = sum(1 for b in written if self.pool.ref_count[b] > 1)
+        return new + shared + (self.windows.cost(seq, n) if self.windows else 0)
 
     def _make_room(self, seq: Sequence, n: int, reserve: int) -> bool:
         needed = self._blocks_needed(seq, n) + reserve
@@ -173,6 +179,8 @@ class Scheduler:
                 copies.append(copy)
         while len(seq.block_table) < self.blocks_for(seq.num_computed + n):
             seq.block_table.append(self.pool.allocate())
+        if self.windows:
+            self.windows.reserve(seq, n, copies)
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse computed KV at admission: fork a pinned parent, else walk the prefix cache."""
@@ -183,9 +191,9 @@ class Scheduler:
             seq.num_computed = 0
         elif parent is not None and parent.status == SeqStatus.PINNED:
             k = _common_prefix(tokens, parent.token_ids, min(parent.num_computed, limit))
-            seq.block_table = self.pool.fork_table(parent.block_table[: self.blocks_for(k)])
-            seq.block_hashes = parent.block_hashes[: k // bs]
-            seq.num_computed = k
+            if self.windows:
+                k = self.windows.usable_prefix(parent, k)
+            self.fork_into(parent, seq, k)
             self.touch_pin(parent)
         else:
             h = None
@@ -197,7 +205,21 @@ class Scheduler:
                 self.pool.incref(block)
                 seq.block_table.append(block)
                 seq.block_hashes.append(h)
+            if self.windows and seq.block_table:
+                self._free_tail(seq, self.windows.attach_cached(seq, seq.block_hashes))
+                del seq.block_hashes[len(seq.block_table):]
             seq.num_computed = len(seq.block_table) * bs
+
+    def fork_into(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
+        """The child shares the parent's blocks: of its first num_tokens tokens, or its whole tables (None:
+        a reserved table's blocks beyond the computed tokens included)."""
+        k = parent.num_computed if num_tokens is None else num_tokens
+        blocks = None if num_tokens is None else self.blocks_for(k)
+        child.block_table = self.pool.fork_table(parent.block_table[:blocks])
+        child.block_hashes = parent.block_hashes[: k // self.block_size]
+        child.num_computed = k
+        if self.windows:
+            self.windows.fork(parent, child, blocks)
 
     def _blocks_computed_by(self, items: list[tuple[Sequence, int]]) -> set[int]:
         """Chain hashes of the full blocks these scheduled chunks complete (indexed only after the step)."""
@@ -224,8 +246,10 @@ class Scheduler:
         while len(seq.block_hashes) < min(seq.num_computed // bs, len(seq.block_table)):
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            seq.block_hashes.append(self.pool.register(seq.block_table[i], parent,
-                                                       tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            seq.block_hashes.append(self.pool.register(seq.block_table[i], parent, tokens))
+            if self.windows:
+                self.windows.register(seq, i, parent, tokens)
 
     def _drop_unused_tail(self, seq: Sequence) -> None:
         """A pin keeps the blocks of its tokens only; reserved blocks a reply ended before using go back."""
@@ -235,13 +259,18 @@ class Scheduler:
         for block in reversed(seq.block_table[keep:]):
             self.pool.decref(block)
         del seq.block_table[keep:]
+        if self.windows:
+            self.windows.trim(seq, keep)
 
     def _held_by(self, seq: Sequence) -> int:
-        return sum(1 for b in seq.block_table if self.pool.ref_count[b] > 0)
+        held = sum(1 for b in seq.block_table if self.pool.ref_count[b] > 0)
+        return held + (self.windows.held(seq) if self.windows else 0)
 
     def _release(self, seq: Sequence) -> None:
         seq.draft_ids = []
         self.pool.free_table(seq.block_table)
+        if self.windows:
+            self.windows.free(seq)
         seq.block_hashes.clear()
         seq.num_computed = 0
 
@@ -278,7 +307,7 @@ class Scheduler:
 
     def all_tables(self) -> list[list[int]]:
         seqs = list(self.running) + list(self.waiting) + list(self.pins.values())
-        return [s.block_table for s in seqs]
+        return [s.block_table for s in seqs] + [t for s in seqs for t in WindowTables.live_tables(s)]
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

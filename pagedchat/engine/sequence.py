@@ -32,6 +32,7 @@ class Sequence:
         self.num_prompt_tokens = request.num_prompt_tokens
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []   # chain hashes of the leading full, computed blocks
+        self.window_tables: list[list[int]] = []  # sliding-window layer groups' tables (window_groups.py)
         self.num_computed = 0               # tokens whose K/V are in the pool
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None

@@ -169,8 +169,9 @@ class Speculator:
         params = seq.request.params
         return (seq.status == SeqStatus.RUNNING and seq.num_computed == seq.num_tokens - 1
                 and seq.request.forked and params.repetition_penalty == 1.0
-                # grammar masks and logprobs are computed for one sampled row per step, not for drafts
-                and params.grammar is None and params.logprobs is None)
+                # logprobs are reduced for one sampled row per step, not for drafts (grammar masks are
+                # walked over the drafts: Grammars.mask_drafted)
+                and params.logprobs is None)
 
     def _depth(self, seq: Sequence) -> int:
         params = seq.request.params

@@ -14,9 +14,6 @@ from torch import nn
 from pagedchat.model.attention import AttentionMetadata, PagedAttention
 from pagedchat.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-
-
 @dataclass
 class ArchSpec:
     hidden_size: int
@@ -53,7 +50,7 @@ class ArchSpec:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         )
 

@@ -11,9 +11,9 @@ import torch
 
 from pagedchat.dtypes import DTYPES
 from pagedchat.errors import ModelLoadError, SettingError
+from pagedchat.model.families import SUPPORTED_ARCHITECTURES, family_for
 from pagedchat.model.hf_config import read_config
-from pagedchat.model.layers import RotaryEmbedding
-from pagedchat.model.llama import SUPPORTED_ARCHITECTURES, ArchSpec, LlamaFamilyModel
+from pagedchat.model.llama import ArchSpec
 from pagedchat.model.tokenizer import load_fast_tokenizer
 
 
@@ -23,7 +23,7 @@ class LoadedModel:
     path: Path
     hf_config: object
     spec: ArchSpec
-    model: LlamaFamilyModel
+    model: torch.nn.Module      # LlamaFamilyModel or another family's model (model/families.py)
     tokenizer: object | None
     eos_token_ids: list[int]
     max_model_len: int
@@ -98,15 +98,20 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def load_config(model_dir: Path, trust_remote_code: bool = False):
-    """config.json as attributes: read directly for the families checked against transformers, else AutoConfig."""
+    """config.json as attributes: read directly for the families checked against transformers, else AutoConfig
+    (every family added since, e.g. Phi-3, MoE and Gemma, goes through AutoConfig)."""
     config = None if trust_remote_code else read_config(model_dir / "config.json")
     if config is None:
         config = _auto_config(model_dir, trust_remote_code)
-    arch = (getattr(config, "architectures", None) or [None])[0]
+    arch = architecture_of(config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {model_dir}; supported: "
                              + ", ".join(SUPPORTED_ARCHITECTURES))
     return config
+
+
+def architecture_of(config) -> str | None:
+    return (getattr(config, "architectures", None) or [None])[0]
 
 
 def _auto_config(model_dir: Path, trust_remote_code: bool):
@@ -168,7 +173,9 @@ def eos_ids(model_dir: Path, config, tokenizer) -> list[int]:
 
 
 def _param_target(name: str, spec: ArchSpec) -> tuple[str, int, int] | None:
-    """Checkpoint tensor name -> (our parameter, row offset, rows) for the fused projections."""
+    """Checkpoint tensor name -> (our parameter, row offset, rows) for the fused projections. A model may
+    map names itself (`param_target`, e.g. expert weights into stacked tensors: (parameter, (expert,
+    row offset), rows))."""
     if name.startswith("model."):
         name = name[len("model."):]
     if "rotary_emb" in name:
@@ -183,24 +190,7 @@ def _param_target(name: str, spec: ArchSpec) -> tuple[str, int, int] | None:
     return name, 0, -1
 
 
-def materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
-    """Give every meta parameter and buffer uninitialized storage (the checkpoint fills it). Not
-    Module.to_empty: on meta tensors that runs torch's Python reference ops, which import sympy (0.5 s)."""
-    made: dict[int, torch.Tensor] = {}
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, tensor in table.items():
-                if tensor is None:
-                    continue
-                if id(tensor) not in made:
-                    kind = dtype if tensor.dtype.is_floating_point else tensor.dtype
-                    fresh = torch.empty(tuple(tensor.shape), dtype=kind, device=device)
-                    made[id(tensor)] = torch.nn.Parameter(fresh, requires_grad=False) \
-                        if isinstance(tensor, torch.nn.Parameter) else fresh
-                table[name] = made[id(tensor)]
-
-
-def load_weights(model: LlamaFamilyModel, files: list[Path], show_progress: bool) -> None:
+def load_weights(model: torch.nn.Module, files: list[Path], show_progress: bool) -> None:
     from safetensors import safe_open
 
     params = dict(model.named_parameters(remove_duplicate=False))
@@ -213,7 +203,8 @@ def load_weights(model: LlamaFamilyModel, files: list[Path], show_progress: bool
             except Exception as e:
                 raise ModelLoadError(f"{file} is corrupt or truncated: {str(e).splitlines()[0]}") from None
             for key in keys:
-                target = _param_target(key, model.spec)
+                target = model.param_target(key) if hasattr(model, "param_target") else \
+                    _param_target(key, model.spec)
                 if target is None:
                     continue
                 name, offset, rows = target
@@ -226,15 +217,18 @@ def load_weights(model: LlamaFamilyModel, files: list[Path], show_progress: bool
                 except Exception as e:
                     raise ModelLoadError(f"{file} is corrupt: {key}: {str(e).splitlines()[0]}") from None
                 param = params[name]
-                dest = param.data if rows < 0 else param.data.narrow(0, offset, rows)
+                dest = param.data
+                if isinstance(offset, tuple):  # (index along the first dim, row offset within it)
+                    dest, offset = dest[offset[0]], offset[1]
+                dest = dest if rows < 0 else dest.narrow(0, offset, rows)
                 if dest.shape != tensor.shape:
                     raise ModelLoadError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
                                          f"config expects {tuple(dest.shape)}")
                 dest.copy_(tensor)
-                loaded[name] = loaded.get(name, 0) + (tensor.shape[0] if rows >= 0 else param.shape[0])
+                loaded[name] = loaded.get(name, 0) + dest.numel()
                 advance(tensor.numel() * tensor.element_size())
     skip = {"lm_head.weight"} if model.spec.tie_embeddings else set()
-    missing = [n for n, p in params.items() if n not in skip and loaded.get(n, 0) < p.shape[0]]
+    missing = [n for n, p in params.items() if n not in skip and loaded.get(n, 0) < p.numel()]
     if missing:
         raise ModelLoadError(f"checkpoint is missing tensors: {', '.join(missing[:5])}"
                              + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
@@ -276,18 +270,16 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     spec = ArchSpec.from_hf(config)
+    family = family_for(architecture_of(config))
     limit = spec.max_positions
     window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True) and window < limit:
+    if window and not family.windowed and getattr(config, "use_sliding_window", True) and window < limit:
         limit = window  # full attention equals sliding-window attention up to the window
     if max_model_len is not None:
         if max_model_len > limit:
             raise ModelLoadError(f"max context {max_model_len} exceeds the model's limit of {limit} tokens")
         limit = max_model_len
-    rotary = RotaryEmbedding(config, spec.head_dim, limit, device=dev)
-    with torch.device("meta"):
-        model = LlamaFamilyModel(spec, rotary)
-    materialize(model, torch_dtype, dev)
+    model = family.build(config, spec, limit, dev, torch_dtype)
     model.tie_weights()
     load_weights(model, files, show_progress)
     if quantize is not None:

@@ -60,9 +60,11 @@ class Int8Linear(nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str) -> None:
-    """Replace every nn.Linear in `model` by its quantized form, in place."""
+    """Replace every nn.Linear in `model` by its quantized form, in place, except those a module names in
+    its `unquantized` (MoE routers). Weights that are not nn.Linear (MoE experts' stacked tensors) stay fp."""
     assert method in METHODS, f"unknown quantization {method!r}"
     for module in list(model.modules()):
+        keep = getattr(module, "unquantized", ())
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear):
+            if isinstance(child, nn.Linear) and name not in keep:
                 setattr(module, name, Int8Linear(child))

@@ -405,6 +405,7 @@ class _Reply:
         held: dict[int, str] = {}        # choice -> text held back: it may be (the start of) a tool call
         sent: dict[int, str] = {}        # choice -> content streamed (tool replies only)
         calling: set[int] = set()        # choices whose tool call has begun: all further text is held
+        streams: dict[int, tools.CallStream] = {}   # choice -> its tool calls, streamed as they are written
         if self.chat:   # OpenAI opens every choice with its role
             yield self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None} for i in range(slots * self.n)])
@@ -434,16 +435,25 @@ class _Reply:
                     sent[index] = sent.get(index, "") + text
                 if text or logprobs is not None:
                     yield self._chunk([self._choice(index, text, None, delta=True, logprobs=logprobs)])
+                if index in calling:
+                    stream = streams.setdefault(index, tools.CallStream(self.parallel_tool_calls))
+                    deltas = stream.feed(held[index])
+                    if deltas:
+                        yield self._chunk([self._choice(index, None, None, delta=True, tool_calls=deltas)])
                 offsets[index] += len(event.text)
                 if event.finish_reason:
                     finish, tail = _finish(event.finish_reason), held.pop(index, "")
                     if self.tool_family is not None:
                         content, calls = self._tool_calls(sent.get(index, "") + tail)
-                        if calls:
-                            finish, tail = "tool_calls", (content or "")[len(sent.get(index, "")):]
-                            deltas = [call.openai(i) for i, call in enumerate(calls)]   # index i: call i
-                            yield self._chunk([self._choice(index, tail or None, None, delta=True,
-                                                            tool_calls=deltas)])
+                        streamed = streams.get(index, tools.CallStream())
+                        if calls or streamed.calls:     # what was held is calls, not content
+                            rest, _ = streamed.rest(calls)
+                            tail = (content or "")[len(sent.get(index, "")):] if calls else ""
+                            finish = "tool_calls" if calls else finish   # a call cut by max_tokens: length
+                            deltas = [call.openai(len(streamed.calls) + i) for i, call in enumerate(rest)]
+                            if tail or deltas:   # calls not streamed as they came (index i: call i)
+                                yield self._chunk([self._choice(index, tail or None, None, delta=True,
+                                                                tool_calls=deltas or None)])
                             tail = ""
                     if tail:
                         yield self._chunk([self._choice(index, tail, None, delta=True)])

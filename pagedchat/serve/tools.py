@@ -156,6 +156,142 @@ def holds_back(text: str, family: str) -> int:
     return len(text)
 
 
+class CallStream:
+    """One choice's tool calls while they are generated, as OpenAI streams them: a call's index, id and name
+    as soon as its name is complete, then its arguments' JSON text piece by piece as tokens arrive.
+
+    It reads calls written name first (`{"name": ..., "arguments"|"parameters": {...}}`: what the family
+    templates ask for and what the call grammar generates); anything else stops it, and the calls it has not
+    streamed are sent whole when the reply ends (`rest`)."""
+
+    def __init__(self, parallel: bool = True):
+        self.parallel = parallel
+        self.calls: list[ToolCall] = []      # begun, in order: call i is index i
+        self.args: list[str] = []            # the arguments text streamed of each
+        self.pos = 0                         # where the next call may start in the held text
+        self.scan: _JsonScan | None = None   # the arguments value being streamed
+        self.stopped = False
+
+    def feed(self, text: str) -> list[dict]:
+        """`text`: all the held tool-call text so far (it only grows). Returns the deltas it adds."""
+        deltas = []
+        while not self.stopped:
+            if self.scan is None:
+                if self.calls and not self.parallel:
+                    break
+                start = text.find("{", self.pos)
+                if start < 0:
+                    break
+                state, name, end = _call_head(text, start)
+                if state == "partial":
+                    break
+                if state == "no":
+                    self.stopped = True
+                    break
+                self.calls.append(ToolCall(name, ""))
+                self.args.append("")
+                deltas.append({"index": len(self.calls) - 1, "id": self.calls[-1].id, "type": "function",
+                               "function": {"name": name, "arguments": ""}})
+                self.scan = _JsonScan(end)
+            piece, done = self.scan.advance(text)
+            if piece:
+                self.args[-1] += piece
+                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": piece}})
+            if not done:
+                break
+            self.calls[-1].arguments, self.pos, self.scan = self.args[-1], self.scan.pos, None
+        return deltas
+
+    def rest(self, calls: list[ToolCall]) -> tuple[list[ToolCall], bool]:
+        """(the finished reply's calls not streamed yet, was every streamed call one of them): the final
+        parse decides; a streamed call it does not confirm (a reply cut inside it) stays as sent."""
+        done = len(self.calls) if self.scan is None else len(self.calls) - 1
+        confirmed = all(i < len(calls) and calls[i].name == c.name and _same_json(calls[i].arguments, c.arguments)
+                        for i, c in enumerate(self.calls[:done]))
+        for call, streamed in zip(calls, self.calls):
+            call.id = streamed.id
+        return calls[len(self.calls):], confirmed
+
+
+class _JsonScan:
+    """Finds where a JSON object or array that starts at `pos` ends, reading the text as it grows."""
+
+    def __init__(self, pos: int):
+        self.pos = pos
+        self.depth, self.in_string, self.escaped = 0, False, False
+
+    def advance(self, text: str) -> tuple[str, bool]:
+        """(the value's text added since the last call, has the value ended)."""
+        begin = self.pos
+        while self.pos < len(text):
+            ch = text[self.pos]
+            self.pos += 1
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif ch == "\\":
+                    self.escaped = True
+                elif ch == '"':
+                    self.in_string = False
+            elif ch == '"':
+                self.in_string = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return text[begin:self.pos], True
+        return text[begin:self.pos], False
+
+
+def _call_head(text: str, at: int) -> tuple[str, str, int]:
+    """Reads `{"name": "N", "arguments": ` (or "parameters") from the `{` at `at`: ("ok", N, where the
+    arguments value starts), ("partial", "", 0) while the text so far could still become one, else ("no", ...)."""
+    pos, name = at + 1, ""
+    for expect in ('"name"', ":", "string", ",", ('"arguments"', '"parameters"'), ":", "value"):
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
+        rest = text[pos:]
+        if expect == "string":
+            end = _string_end(text, pos) if rest[:1] == '"' else -1
+            if end is None:
+                return "partial", "", 0
+            if end < 0:
+                return ("partial" if not rest else "no"), "", 0
+            name, pos = json.loads(text[pos:end]), end
+        elif expect == "value":
+            if not rest:
+                return "partial", "", 0
+            return ("ok", name, pos) if rest[0] in "{[" else ("no", "", 0)
+        else:
+            words = expect if isinstance(expect, tuple) else (expect,)
+            word = next((w for w in words if rest.startswith(w)), None)
+            if word is None:
+                return ("partial" if any(w.startswith(rest) for w in words) else "no"), "", 0
+            pos += len(word)
+    raise AssertionError("unreachable")
+
+
+def _string_end(text: str, start: int) -> int | None:
+    """Just past the JSON string whose quote is at `start`, or None if it has not ended yet."""
+    escaped = False
+    for p in range(start + 1, len(text)):
+        if escaped:
+            escaped = False
+        elif text[p] == "\\":
+            escaped = True
+        elif text[p] == '"':
+            return p + 1
+    return None
+
+
+def _same_json(a: str, b: str) -> bool:
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return False
+
+
 def _call(item) -> ToolCall | None:
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
