@@ -125,3 +125,10 @@ def test_int8_runs_on_every_family(model_dirs, arch):
     assert not any(type(m) is not nn.Linear and isinstance(m, nn.Linear) for m in model.modules())
     out = engine.generate([list(range(5, 30))], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 5
+
+
+def test_quantize_is_refused_with_a_server(pagedchat_cli):
+    """--server: the server's weights are its own; the flag says so instead of being ignored."""
+    code, _, err = pagedchat_cli("run", "--server", "http://127.0.0.1:9", "--quantize", "int8", "hi")
+    assert code == 2 and err.strip().splitlines() == [
+        "pagedchat: error: --quantize quantizes the local engine's weights: not available with --server"]
