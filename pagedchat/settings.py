@@ -28,6 +28,8 @@ class ModelOptions:
     speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
     num_draft_tokens: Optional[int] = None
     draft_model: Optional[str] = None
+    quantize: Optional[str] = None         # int8 | none (None: models.toml, else none)
+    server: Optional[str] = None    # chat/run: an OpenAI-compatible server generates (chat/remote_backend.py)
     kv_disk: Optional[str] = None   # None = DEFAULT_KV_DISK; "0" = no disk tier
     kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier
 
@@ -60,6 +62,9 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     from pagedchat.registry import Registry
 
     entry = Registry().resolve(opts.model)
+    if entry.table.get("kind") == "remote":
+        raise UserError(f"model {entry.name} is a remote model (kind = \"remote\" in models.toml): `chat` and "
+                        f"`run` reach it through its server; the local engine cannot load it")
     dtype = opts.dtype or entry.get("dtype", "auto").value
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
@@ -70,7 +75,7 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
                               kv_allocation=opts.kv_allocation, chat_template=template,
                               kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
                               kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM,
-                              **speculation_settings(opts, entry))
+                              quantize=quantize_setting(opts, entry), **speculation_settings(opts, entry))
         return Engine(config, show_progress=show_progress), entry
     except SettingError as e:
         raise UserError(cli_words(e)) from None
@@ -82,6 +87,11 @@ def kv_report(pool) -> dict:
     return {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
             "prefix_hit_tokens": pool.prefix_hit_tokens, "ram_hit_tokens": pool.ram_hit_tokens,
             "disk_hit_tokens": pool.disk_hit_tokens}
+
+
+def quantize_setting(opts: ModelOptions, entry) -> str | None:
+    """--quantize over the models.toml key ("none" turns off a quantize that [defaults] sets)."""
+    return opts.quantize if opts.quantize is not None else entry.get("quantize", None).value
 
 
 def speculation_settings(opts: ModelOptions, entry) -> dict:
@@ -156,7 +166,7 @@ def _strings(stop) -> list:
 # EngineConfig setting -> the flag that sets it (run, chat and serve share them: commands/common.py)
 _FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_memory": "--kv-memory",
           "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation", "speculate": "--speculate",
-          "num_draft_tokens": "--num-draft-tokens"}
+          "num_draft_tokens": "--num-draft-tokens", "quantize": "--quantize"}
 
 
 OVERFLOW_POLICIES = ("stop", "drop-oldest")   # what a conversation that outgrows the context does

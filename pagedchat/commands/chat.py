@@ -39,6 +39,8 @@ def chat(
     draft_model: Optional[str] = common.DRAFT_MODEL,
     kv_disk: Optional[str] = common.KV_DISK,
     kv_ram: Optional[str] = common.KV_RAM,
+    quantize: Optional[str] = common.QUANTIZE,
+    server: Optional[str] = common.SERVER,
 ) -> None:
     from rich.console import Console
     from rich.text import Text
@@ -48,8 +50,8 @@ def chat(
 
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
-                                    num_draft_tokens=num_draft_tokens, draft_model=draft_model, kv_disk=kv_disk,
-                                    kv_ram=kv_ram)
+                                    num_draft_tokens=num_draft_tokens, draft_model=draft_model,
+                                    server=server, quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)

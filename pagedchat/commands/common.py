@@ -24,6 +24,9 @@ KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool size: bytes, 256KiB/
 KV_DISK = typer.Option(None, "--kv-disk", help="Disk tier for KV blocks under $XDG_CACHE_HOME/pagedchat/kv, shared "
                                                "across processes (default 2GiB; 0 = off).")
 KV_RAM = typer.Option(None, "--kv-ram", help="Host-RAM tier for KV blocks the pool evicts (default 512MiB; 0 = off).")
+QUANTIZE = typer.Option(None, "--quantize", help="int8: weight-only int8 linear layers (per-channel scales, "
+                                                 "quantized at load from the fp checkpoint); none: off "
+                                                 "(default: the models.toml quantize key, else none).")
 MAX_CONTEXT = typer.Option(None, "--max-context", help="Cap the context length (tokens).")
 SYSTEM = typer.Option(None, "--system", help="System prompt (chat template path).")
 TEMPERATURE = typer.Option(None, "--temperature", "-t", help="0 = greedy.")
@@ -42,5 +45,8 @@ SPECULATE = typer.Option(None, "--speculate", help="Speculative decoding: ngram 
                                                    "history and sibling replies), draft (--draft-model) or off.")
 NUM_DRAFT_TOKENS = typer.Option(None, "--num-draft-tokens", help="Most draft tokens per step (adapted per "
                                                                  "sequence to its acceptance; default 6).")
+SERVER = typer.Option(None, "--server", metavar="URL",
+                      help="An OpenAI-compatible server (pagedchat serve, vLLM, SGLang, llama.cpp) generates; -m "
+                           "names the local model whose tokenizer and template render the prompt.")
 DRAFT_MODEL = typer.Option(None, "--draft-model", help="Smaller model with the same tokenizer that proposes "
                                                        "drafts (models.toml name or folder).")
