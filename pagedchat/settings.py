@@ -28,7 +28,15 @@ class ModelOptions:
     speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
     num_draft_tokens: Optional[int] = None
     draft_model: Optional[str] = None
+    quantize: Optional[str] = None         # int8 | none (None: models.toml, else none)
     server: Optional[str] = None    # chat/run: an OpenAI-compatible server generates (chat/remote_backend.py)
+    kv_disk: Optional[str] = None   # None = DEFAULT_KV_DISK; "0" = no disk tier
+    kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier
+
+
+# KV that outlives a block's eviction and the process (see pagedchat/engine/kv_tiers.py)
+DEFAULT_KV_DISK = "2GiB"
+DEFAULT_KV_RAM = "512MiB"
 
 
 @dataclass
@@ -65,10 +73,25 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
         config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                               kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
                               kv_allocation=opts.kv_allocation, chat_template=template,
-                              **speculation_settings(opts, entry))
+                              kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
+                              kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM,
+                              quantize=quantize_setting(opts, entry), **speculation_settings(opts, entry))
         return Engine(config, show_progress=show_progress), entry
     except SettingError as e:
         raise UserError(cli_words(e)) from None
+
+
+def kv_report(pool) -> dict:
+    """The `--json` "kv" object. prefix_hit_tokens counts every reused prompt token; ram_hit_tokens and
+    disk_hit_tokens say how many of them were loaded back from the RAM and disk tiers."""
+    return {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
+            "prefix_hit_tokens": pool.prefix_hit_tokens, "ram_hit_tokens": pool.ram_hit_tokens,
+            "disk_hit_tokens": pool.disk_hit_tokens}
+
+
+def quantize_setting(opts: ModelOptions, entry) -> str | None:
+    """--quantize over the models.toml key ("none" turns off a quantize that [defaults] sets)."""
+    return opts.quantize if opts.quantize is not None else entry.get("quantize", None).value
 
 
 def speculation_settings(opts: ModelOptions, entry) -> dict:
@@ -143,7 +166,7 @@ def _strings(stop) -> list:
 # EngineConfig setting -> the flag that sets it (run, chat and serve share them: commands/common.py)
 _FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_memory": "--kv-memory",
           "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation", "speculate": "--speculate",
-          "num_draft_tokens": "--num-draft-tokens"}
+          "num_draft_tokens": "--num-draft-tokens", "quantize": "--quantize"}
 
 
 OVERFLOW_POLICIES = ("stop", "drop-oldest")   # what a conversation that outgrows the context does

@@ -170,6 +170,12 @@ class RemoteBackend:
     def blocks_held(self, handles) -> int:
         return 0
 
+    def persist(self, handles) -> None:
+        pass                # the server keeps (and tiers) its own KV: nothing to write here
+
+    def close(self) -> None:
+        pass
+
     # -- numbers --------------------------------------------------------------------------------------------
     def pool_stats(self) -> PoolStats:
         """No local pool: zeros, with the server's cached prompt tokens as the prefix hits."""
@@ -231,6 +237,8 @@ def open_remote(opts, show_progress: bool = True):
     from pagedchat.registry import Registry
     from pagedchat.remote import ServerConfig
 
+    if getattr(opts, "quantize", None) not in (None, "none"):
+        raise UserError("--quantize quantizes the local engine's weights: not available with --server")
     registry = Registry()
     entry = registry.resolve(opts.model) if opts.model else None
     table = entry.table if entry is not None else {}
