@@ -184,31 +184,38 @@ class Scheduler:
 
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse computed KV at admission: fork a pinned parent, else walk the prefix cache."""
-        bs, tokens = self.block_size, seq.token_ids
+        tokens = seq.token_ids
         limit = seq.num_tokens - 1  # the last token is always computed: its logits are sampled
         parent = seq.parent
         if not seq.reuses_prefix:
             seq.num_computed = 0
         elif parent is not None and parent.status == SeqStatus.PINNED:
             k = _common_prefix(tokens, parent.token_ids, min(parent.num_computed, limit))
-            if self.windows:
-                k = self.windows.usable_prefix(parent, k)
-            self.fork_into(parent, seq, k)
             self.touch_pin(parent)
+            if self.windows and self.windows.usable_prefix(parent, k) < k:
+                # A fork at an earlier point whose window blocks the parent has released: the prefix
+                # cache may still hold them (released blocks stay cached until reused).
+                self._match_cached(seq, limit)
+            else:
+                self.fork_into(parent, seq, k)
         else:
-            h = None
-            for i in range(limit // bs):
-                found = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
-                if found is None:
-                    break
-                block, h = found
-                self.pool.incref(block)
-                seq.block_table.append(block)
-                seq.block_hashes.append(h)
-            if self.windows and seq.block_table:
-                self._free_tail(seq, self.windows.attach_cached(seq, seq.block_hashes))
-                del seq.block_hashes[len(seq.block_table):]
-            seq.num_computed = len(seq.block_table) * bs
+            self._match_cached(seq, limit)
+
+    def _match_cached(self, seq: Sequence, limit: int) -> None:
+        """Walk the prefix cache over the full blocks of the first `limit` tokens."""
+        bs, tokens, h = self.block_size, seq.token_ids, None
+        for i in range(limit // bs):
+            found = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
+            if found is None:
+                break
+            block, h = found
+            self.pool.incref(block)
+            seq.block_table.append(block)
+            seq.block_hashes.append(h)
+        if self.windows and seq.block_table:
+            self._free_tail(seq, self.windows.attach_cached(seq, seq.block_hashes))
+            del seq.block_hashes[len(seq.block_table):]
+        seq.num_computed = len(seq.block_table) * bs
 
     def fork_into(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
         """The child shares the parent's blocks: of its first num_tokens tokens, or its whole tables (None:
