@@ -34,7 +34,8 @@ def test_throughput_smoke_all_systems_agree():
 
 def test_chat_smoke_reuses_history_and_forks_with_one_copy_per_child():
     r = bench("chat", "--random", "llama", "--random-size", "tiny", "--history", "64,200", "--message-tokens", "8",
-              "--reply-tokens", "4", "--variants", "3", "--repeats", "1", "--device", "cpu")
+              "--reply-tokens", "4", "--variants", "3", "--repeats", "1", "--device", "cpu",
+              "--beams", "4", "--beam-prompts", "90", "--beam-tokens", "10")
     assert [t["history"] for t in r["turns"]] == [64, 200]
     for t in r["turns"]:
         # The pinned history's KV is reused up to its last token (whose KV was never computed: it was sampled).
@@ -48,6 +49,15 @@ def test_chat_smoke_reuses_history_and_forks_with_one_copy_per_child():
         assert f["extra_blocks_n"] == f["extra_blocks_one"] + (3 - 1)   # one private tail block per extra child
         assert f["hf_kv_tokens_n"] == 3 * (f["history"] + f["message_tokens"] + 1)
     assert r["max_copies_per_child"] == 1
+    # beam search on the real model: the prompt held once, at most W copies a step, transformers' own cache
+    # holds W whole histories
+    beams = r["beams"]
+    assert beams["width"] == 4 and len(beams["runs"]) == 1
+    run = beams["runs"][0]
+    assert run["one_sequence_peak_blocks"] == -(-(90 + 10) // 16)
+    assert run["one_sequence_peak_blocks"] < run["peak_blocks"] < run["contiguous_peak_blocks"]
+    assert run["max_copies_per_step"] <= 4 and len(run["blocks_over_time"]) == 10 - 1
+    assert run["hf_beam_kv_tokens"] == 4 * (90 + 10 - 1)
 
 
 def test_model_choice_errors_are_user_errors():

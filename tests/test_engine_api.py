@@ -107,7 +107,7 @@ def test_user_stop_strings_are_added_to_the_models_in_the_cli_and_the_server_ali
     model = {"stop": ["<end>"], "temperature": 0.5, "max_tokens": 40}
     cli, sources = resolve_sampling(_Entry(**model), SamplingOptions(stop=["\n\n"], top_k=3))
     body = SimpleNamespace(temperature=None, top_p=None, top_k=3, min_p=None, repetition_penalty=None, seed=None,
-                           stop="\n\n", n=1, ignore_eos=False)
+                           stop="\n\n", n=1, ignore_eos=False, use_beam_search=False)
     server = _sampling_params(body, None, ServeSettings("m", sampling_defaults=model))
     assert cli == server
     assert cli.stop == ["<end>", "\n\n"] and cli.temperature == 0.5 and cli.top_k == 3 and cli.max_tokens == 40

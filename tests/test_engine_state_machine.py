@@ -83,10 +83,12 @@ class EngineMachine(RuleBasedStateMachine):
             COUNTS["refused at add"] += 1
 
     def _step(self):
+        parked = [s for s in self.running() if s.request.beam is not None and s.num_computed == s.num_tokens]
         for event in self.engine.step():
             if event.finish_reason == "error":
                 COUNTS["failed alone"] += 1
         COUNTS["engine steps"] += 1
+        COUNTS["beams parked"] += sum(1 for s in parked if s.status == SeqStatus.WAITING and not s.block_table)
         for seq in self.pinned():
             if seq not in self.heads:
                 self.heads.append(seq)
@@ -103,6 +105,15 @@ class EngineMachine(RuleBasedStateMachine):
         sequences preempted, and a reply that outgrows the whole pool fails alone."""
         ids = [2 + (i * 7) % 22 for i in range(length)]
         self._add(ids, SamplingParams(temperature=1.0, seed=length, max_tokens=max_tokens, n=n, ignore_eos=True))
+
+    @rule(stem=st.sampled_from(STEMS), tail=st.lists(st.integers(2, 23), max_size=12), width=st.integers(1, 4),
+          max_tokens=st.integers(1, 12), length_penalty=st.sampled_from([1.0, 0.0, -1.0, 2.0]),
+          early_stopping=st.sampled_from([False, True, "never"]), ignore_eos=st.booleans())
+    def add_beam(self, stem, tail, width, max_tokens, length_penalty, early_stopping, ignore_eos):
+        """A beam search: its beams fork, share, copy on write and are dropped every step."""
+        COUNTS["beam searches"] += 1
+        self._add(stem + tail, SamplingParams(beam_width=width, max_tokens=max_tokens, length_penalty=length_penalty,
+                                              early_stopping=early_stopping, ignore_eos=ignore_eos))
 
     @precondition(lambda self: self.engine.scheduler.pins)
     @rule(data=st.data(), suffix=st.lists(st.integers(2, 23), min_size=1, max_size=6))
@@ -255,7 +266,7 @@ def test_engine_state_machine():
         assert COUNTS["engine steps"] >= MIN_ENGINE_STEPS, COUNTS
     # the run really went through the paths it is meant to exercise
     for path in ("engine preemptions", "preempted", "pins dropped", "switch to evicted head", "cow copies",
-                 "failed alone", "finish", "prefix hit tokens"):
+                 "failed alone", "finish", "prefix hit tokens", "beam searches", "beams parked"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
 
 

@@ -241,6 +241,19 @@ def test_piped_stdin_runs_the_same_commands(ctl, monkeypatch):
     assert "session main" in screen.getvalue()
 
 
+def test_beam_shows_hypotheses_best_first_and_pick_continues(repl, ctl):
+    screen = repl("/beam 3 hello world", "/pick 2", "what next?")
+    assert "variant 1 · #" in screen and "variant 3 · #" in screen
+    assert "beam scores, best first: 1: " in screen
+    assert "continuing from variant 2" in screen
+    tree = ctl.session.tree
+    replies = tree.children(1)
+    assert [r.variant for r in replies] == [1, 2, 3]
+    assert tree.get(ctl.session.head).role == "assistant"
+    assert tree.path(ctl.session.head)[1].id == replies[1].id   # the next turn continues hypothesis 2
+    assert "usage: /beam W [MESSAGE]" in repl("/beam")
+
+
 def test_set_schema_constrains_replies(repl, ctl, tmp_path):
     import jsonschema
 

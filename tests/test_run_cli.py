@@ -121,3 +121,30 @@ def test_missing_weights_and_unsupported_architecture(run, model_dirs, tmp_path)
     (broken / "config.json").write_text((path / "config.json").read_text())
     code, _, err = run("run", "-m", str(broken), "hi")
     assert code == 2 and "corrupt" in err and "Traceback" not in err
+
+
+def test_raw_beams_json_matches_transformers(run, model_dirs):
+    """The outside check's command: every hypothesis, best first, with its score, as transformers' beam search."""
+    from beam_oracle import beam_reference
+
+    path, hf = model_dirs["mistral"]
+    code, out, err = run("run", "-m", str(path), "--raw", "--beams", "4", "--length-penalty", "0.5",
+                         "--early-stopping", "never", "--json", "--max-tokens", "10", "hello world")
+    assert code == 0, err
+    report = json.loads(out)
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(path)("hello world").input_ids
+    expected = beam_reference(hf, ids, 4, 10, 0.5, "never")
+    assert [o["token_ids"] for o in report["outputs"]] == [tokens for tokens, _ in expected]
+    for output, (_, score) in zip(report["outputs"], expected):
+        assert output["score"] == pytest.approx(score, rel=1e-4)
+    assert report["usage"]["completion_tokens"] == sum(len(o["token_ids"]) for o in report["outputs"])
+
+
+@pytest.mark.parametrize("args, message", [(["--beams", "2", "-n", "2"], "leave out -n"),
+                                           (["--beams", "2", "--early-stopping", "maybe"], "true, false or never"),
+                                           (["--beams", "-1"], "--beams must be")])
+def test_bad_beam_options_are_one_line_errors(run, model_dirs, args, message):
+    code, out, err = run("run", "-m", str(model_dirs["llama"][0]), "--raw", *args, "hi")
+    assert code != 0 and message in err and "Traceback" not in err

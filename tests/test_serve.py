@@ -385,3 +385,21 @@ def test_pagedchat_serve_command_starts_serves_and_stops_on_ctrl_c(model, tmp_pa
             proc.wait(10)
     assert proc.returncode == 0, stderr
     assert "Traceback" not in stderr and "pagedchat serve: stopped" in stderr
+
+
+def test_beam_search_as_vllm_takes_it(server, client, model):
+    """use_beam_search + best_of beams, the n best returned (best first), as transformers' beam search."""
+    from beam_oracle import beam_reference
+
+    ids = server[1]("hello world").input_ids
+    reply = client.completions.create(model=NAME, prompt=ids, max_tokens=8, n=2,
+                                      extra_body={"use_beam_search": True, "best_of": 4, "length_penalty": 0.5})
+    expected = beam_reference(model[1], ids, 4, 8, 0.5)[:2]
+    texts = [server[1].decode(tokens, skip_special_tokens=True) for tokens, _ in expected]
+    assert [c.index for c in reply.choices] == [0, 1]
+    assert [c.text for c in reply.choices] == texts
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=NAME, prompt=ids, max_tokens=2, n=3,
+                                  extra_body={"use_beam_search": True, "best_of": 2})
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=NAME, prompt=ids, max_tokens=2, extra_body={"best_of": 2})

@@ -7,6 +7,9 @@
 2. Fork cost. The same history forked into N variants (SamplingParams(n=N)): blocks copied (the pool's
    copy-on-write counter), extra blocks held, and milliseconds for prefill + fork + first decode, against
    one variant. The peer: `generate(num_return_sequences=N)` expands the history N times.
+3. Beam search memory (--beams W): W beams over a fresh 1k/2k-token prompt on the real model, the pool's
+   blocks in use after every step against one sequence over the same prompt and against a contiguous
+   per-beam cache (W whole histories); the peer's own KV cache after `generate(num_beams=W)` is counted too.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ def _sync(device: str) -> None:
 def run_chat_bench(model_path: Path, model_name: str, histories: tuple[int, ...] = DEFAULT_HISTORIES,
                    message_tokens: int = 64, reply_tokens: int = 16, variants: int = 8, repeats: int = 3,
                    block_size: int = 16, device: str = "cpu", dtype: str = "auto", seed: int = 0,
-                   threads: int | None = None, baseline: bool = True) -> dict:
+                   threads: int | None = None, baseline: bool = True, beams: int = 0,
+                   beam_prompts: tuple[int, ...] = (1024, 2048), beam_tokens: int = 64) -> dict:
     import torch
 
     from pagedchat.bench.common import machine_description
@@ -112,7 +116,33 @@ def run_chat_bench(model_path: Path, model_name: str, histories: tuple[int, ...]
     at4k = [r for r in rows if r["history"] == 4096]
     result["ttft_ratio_at_4k"] = at4k[0]["ttft_ratio_vs_turn1"] if at4k else None
     result["max_copies_per_child"] = max(f["copies_per_child"] for f in forks)
+    if beams:
+        result["beams"] = _beam_memory(config, loaded, fresh, beams, beam_prompts, beam_tokens, hf)
     return result
+
+
+def _beam_memory(config, loaded, fresh, width: int, prompts: tuple[int, ...], new_tokens: int, hf) -> dict:
+    """Each prompt on fresh engines over the loaded model (a pool of its own, so the peak is the search's)."""
+    from dataclasses import replace
+
+    from pagedchat.bench.beams import beam_memory_summary, beam_pool_blocks, follow_blocks
+    from pagedchat.engine import Engine
+
+    def engine(prompt_len: int, beams: int):
+        blocks = beam_pool_blocks(prompt_len, new_tokens, config.block_size, beams)
+        return Engine(replace(config, num_blocks=blocks), loaded=loaded, show_progress=False)
+
+    runs = []
+    for prompt_len in prompts:
+        prompt = fresh(prompt_len)
+        beam = follow_blocks(engine(prompt_len, width), prompt, width, new_tokens)
+        single = follow_blocks(engine(prompt_len, 0), prompt, 0, new_tokens)
+        run = beam_memory_summary(prompt_len, width, config.block_size, beam, single)
+        if hf:
+            run["hf_beam_kv_tokens"] = hf.beam_kv_tokens(prompt, width, new_tokens)
+            run["hf_beam_kv_blocks"] = run["hf_beam_kv_tokens"] / config.block_size
+        runs.append(run)
+    return {"width": width, "new_tokens": new_tokens, "block_size": config.block_size, "runs": runs}
 
 
 def compute_ratio(config, history: int, message: int) -> float:
@@ -258,6 +288,18 @@ class _HFPeer:
         import torch
 
         return _median([self._run(torch.tensor([p]), 1, do_sample=False) for p in prompts])
+
+    def beam_kv_tokens(self, prompt: list[int], width: int, new_tokens: int) -> int:
+        """Token positions in transformers' KV cache at the end of its beam search: W rows of the history."""
+        import torch
+
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device=self.device)
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, num_beams=width, do_sample=False,
+                                      pad_token_id=self.pad, return_dict_in_generate=True)
+        keys = out.past_key_values.layers[0].keys     # (beams, kv heads, positions, head dim)
+        return keys.shape[0] * keys.shape[-2]
 
     def sampled_variants(self, prompt: list[int], n: int, repeats: int) -> float:
         import torch

@@ -59,6 +59,7 @@ class ChatController:
         self.sessions: dict[str, Session] = {}      # resident: all share the engine's pool
         self.current: Session | None = None
         self.last_stats: dict | None = None
+        self.beam_width = 0                         # set while a /beam turn runs
         self.cli_overflow = check_overflow(context_overflow, "--context-overflow")
         self.overflow_default = overflow_default    # the REPL drops the oldest turns; `run --session` stops
         self.on_note = None     # called with notes known before a reply starts (else they come in TurnResult)
@@ -272,7 +273,7 @@ class ChatController:
     def pick(self, k: int) -> Node:
         s = self.session
         if not s.last_fork:
-            raise UserError("no variants to pick from: /fork N first")
+            raise UserError("no variants to pick from: /fork N or /beam W first")
         if not 1 <= k <= len(s.last_fork):
             raise UserError(f"pick a variant from 1 to {len(s.last_fork)}")
         s.head = s.last_fork[k - 1]
@@ -340,6 +341,17 @@ class ChatController:
         if head is None or head.role == "system":
             raise UserError("nothing to fork yet: /fork N MESSAGE sends MESSAGE and answers it N ways")
         return self.regen(n, on_update)
+
+    def beam(self, width: int, text: str | None = None, on_update=None) -> TurnResult:
+        """Beam search with W beams: the W hypotheses, best first, as variants (of a new message, else of
+        the head's reply); /pick K continues from one."""
+        if not 1 <= width <= MAX_FORK:
+            raise UserError(f"/beam takes a number of beams from 1 to {MAX_FORK}, got {width}")
+        self.beam_width = width
+        try:
+            return self.fork(1, text, on_update)
+        finally:
+            self.beam_width = 0
 
     # -- token alternatives ---------------------------------------------------------------------------------
     def logprobs_on(self) -> bool:
@@ -451,6 +463,8 @@ class ChatController:
         params = params.with_(grammar=self.schema[1] if self.schema else None,
                               logprobs=alternatives.TOP_ALTERNATIVES if self.logprobs_on() else None)
         notes = []
+        if self.beam_width:    # deterministic (no temperature to raise); hypotheses carry scores, not alternatives
+            return params.with_(n=1, beam_width=self.beam_width, logprobs=None), notes
         if (n > 1 or vary) and params.temperature == 0:
             lower = self.entry.sampling_defaults().get("temperature")
             temperature = lower.value if lower is not None and lower.value else FORK_TEMPERATURE
@@ -473,7 +487,7 @@ class ChatController:
             notes.clear()
         parent = self.backend.pin_for(self.session.handles, prompt)
         done = self.backend.generate(prompt, params, parent, on_update, context)
-        stats = self._stats(prompt, done.output, capped, params.n)
+        stats = self._stats(prompt, done.output, capped, max(params.n, params.beam_width))
         return done.output, done.interrupted, stats
 
     def _stats(self, prompt: list[int], out, capped: int | None, n: int) -> dict:
@@ -512,6 +526,8 @@ class ChatController:
                 s.handles[reply.id] = variant.handle
             replies.append(reply)
         self._release_covered_pins(parent.id)
+        if any(v.score is not None for v in out.outputs):
+            notes.append("beam scores, best first: " + ", ".join(f"{v.index + 1}: {v.score:.4f}" for v in out.outputs))
         if len(replies) > 1:
             s.last_fork = [r.id for r in replies]  # /pick refers to the newest /fork until the next one
         s.head = replies[0].id if replies else parent.id

@@ -335,13 +335,21 @@ def _edit(shell: ChatShell, arg: str) -> None:
 
 
 def _fork(shell: ChatShell, arg: str) -> None:
-    usage = "/fork N [MESSAGE]"
+    _side_by_side(shell, arg, "/fork N [MESSAGE]", shell.ctl.fork)
+
+
+def _beam(shell: ChatShell, arg: str) -> None:
+    _side_by_side(shell, arg, "/beam W [MESSAGE]", shell.ctl.beam)
+
+
+def _side_by_side(shell: ChatShell, arg: str, usage: str, action: Callable) -> None:
+    """/fork N and /beam W: a count, then an optional message; the N replies shown side by side."""
     parts = arg.split(maxsplit=1)
     if not parts:
         raise UserError(f"usage: {usage}")
     n = _count(parts[0], usage, 1, MAX_FORK)
     text = unwrap_block(parts[1]) if len(parts) > 1 else None
-    shell.turn(lambda on_update: shell.ctl.fork(n, text, on_update=on_update), n)
+    shell.turn(lambda on_update: action(n, text, on_update=on_update), n)
 
 
 def _pick(shell: ChatShell, arg: str) -> None:
@@ -439,7 +447,11 @@ _COMMANDS = [
     Command("/fork", "/fork N [MESSAGE]", "N variants generated in parallel as forks of one sequence (one "
                                           "prefill), side by side: of MESSAGE's reply, or new variants of the "
                                           "last reply. Then /pick K.", _fork),
-    Command("/pick", "/pick K", "Continue from variant K of the last /fork (the others stay in the tree).", _pick, saves=True),
+    Command("/beam", "/beam W [MESSAGE]", "Beam search with W beams sharing blocks copy-on-write: the W "
+                                          "hypotheses, best first, side by side with their scores (of "
+                                          "MESSAGE's reply, or of the last message again). Then /pick K.", _beam),
+    Command("/pick", "/pick K", "Continue from variant K of the last /fork or /beam (the others stay in the "
+                                "tree).", _pick, saves=True),
     Command("/system", "/system [TEXT|--clear]", "Show or set the system prompt; a new one starts a new "
                                                  "branch from the top.", _system, saves=True),
     Command("/set", "/set [KEY VALUE]", f"Show settings and their sources, or set one of: {', '.join(ALL_SET_KEYS)} "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
@@ -41,6 +42,8 @@ def memory(
     seed: int = typer.Option(0, "--seed", help="Trace seed: same seed, same numbers."),
     sweep: bool = typer.Option(True, "--sweep/--no-sweep", help="Block-size sweep 8..128 (tail waste vs "
                                                                 "table size)."),
+    beams: int = typer.Option(0, "--beams", help="Also measure beam search with W beams over 1k/2k-token "
+                                                 "prompts vs one sequence and a contiguous per-beam cache."),
     window: bool = typer.Option(True, "--window/--no-window", help="Sliding-window rows: a Gemma-3-shaped "
                                 "model (5 window : 1 global, window 1024) releasing blocks vs holding them, "
                                 "at 8k and 32k contexts."),
@@ -51,11 +54,20 @@ def memory(
     from pagedchat.bench.memory import TraceParams, print_memory_report, run_memory_bench
     from pagedchat.bench.window import print_window_report, run_window_bench
 
+    if beams < 0:
+        raise UserError(f"--beams must be >= 1, got {beams}")
+
     params = TraceParams(requests=requests, max_len=max_len, mean_prompt=mean_prompt, mean_output=mean_output,
                          sigma=sigma, block_size=block_size, pool_tokens=pool_tokens, shared_prefix=shared_prefix,
                          variants=variants, variant_tail=variant_tail, max_batched_tokens=max_batched_tokens,
                          max_seqs=max_seqs, seed=seed)
     result = run_memory_bench(params, sweep=sweep, plot=_plot_path(plot))
+    if beams:
+        from pagedchat.bench.beams import print_beam_report, run_beam_memory_bench
+
+        result["beams"] = run_beam_memory_bench(beams, block_size=block_size)
+        if plot:
+            _plot_beams(result["beams"], _plot_path(plot))
     if window:
         result["sliding_window"] = run_window_bench()
     _stamp(result)
@@ -65,6 +77,8 @@ def memory(
     print_memory_report(result)
     if window:
         print_window_report(result["sliding_window"])
+    if beams:
+        print_beam_report(result["beams"])
 
 
 MODEL = typer.Option(None, "-m", "--model", help="models.toml name or local HF folder.")
@@ -107,7 +121,6 @@ def throughput(
     plot: Optional[str] = PLOT,
 ) -> None:
     import tempfile
-    from pathlib import Path
 
     from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
@@ -154,6 +167,10 @@ def chat(
     repeats: int = typer.Option(5, "--repeats", help="Measurements per point (median; a new message each)."),
     block_size: int = typer.Option(16, "--block-size"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also time transformers."),
+    beams: int = typer.Option(0, "--beams", help="Also measure the blocks beam search with W beams holds on "
+                                                 "this model vs one sequence and a contiguous per-beam cache."),
+    beam_prompts: str = typer.Option("1024,2048", "--beam-prompts", help="Prompt lengths for --beams."),
+    beam_tokens: int = typer.Option(64, "--beam-tokens", help="New tokens per beam search for --beams."),
     device: str = DEVICE,
     dtype: str = DTYPE,
     threads: Optional[int] = THREADS,
@@ -162,33 +179,55 @@ def chat(
     plot: Optional[str] = PLOT,
 ) -> None:
     import tempfile
-    from pathlib import Path
 
     from pagedchat.bench.chat import plot_chat, print_chat_report, run_chat_bench
     from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
 
-    try:
-        histories = tuple(sorted({int(h) for h in history.split(",") if h.strip()}))
-    except ValueError:
-        raise UserError(f"--history wants comma-separated token counts, got {history!r}") from None
-    if not histories or min(histories) < 1:
-        raise UserError("--history needs at least one positive length")
+    histories = _lengths(history, "--history")
+    prompts = _lengths(beam_prompts, "--beam-prompts")
+    if beams < 0 or beam_tokens < 2:
+        raise UserError("--beams must be >= 1 and --beam-tokens >= 2")
     device = resolve_device(device)
     plot = _plot_path(plot)
-    needed = max(histories) + message_tokens + reply_tokens + 64
+    needed = max(max(histories) + message_tokens + reply_tokens, max(prompts) + beam_tokens if beams else 0) + 64
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
         path, name = resolve_model(model, random_arch, random_size, Path(tmp), max(4096, -(-needed // 1024) * 1024),
                                    dtype="bfloat16" if random_size == "1b" else "float32")
         result = run_chat_bench(path, name, histories=histories, message_tokens=message_tokens,
                                 reply_tokens=reply_tokens, variants=variants, repeats=repeats,
                                 block_size=block_size, device=device, dtype=dtype, seed=seed,
-                                threads=_threads(threads, device), baseline=baseline)
+                                threads=_threads(threads, device), baseline=baseline, beams=beams,
+                                beam_prompts=prompts, beam_tokens=beam_tokens)
     if plot:
         plot_chat(result, plot)
         result["plot"] = plot
+        if beams:
+            _plot_beams(result["beams"], plot)
     _stamp(result)
     print_json(result) if as_json else print_chat_report(result)
+    if beams and not as_json:
+        from pagedchat.bench.beams import print_beam_report
+
+        print_beam_report(result["beams"])
+
+
+def _lengths(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        lengths = tuple(sorted({int(h) for h in text.split(",") if h.strip()}))
+    except ValueError:
+        raise UserError(f"{flag} wants comma-separated token counts, got {text!r}") from None
+    if not lengths or min(lengths) < 1:
+        raise UserError(f"{flag} needs at least one positive length")
+    return lengths
+
+
+def _plot_beams(beams: dict, plot: str) -> None:
+    """The beam picture beside the main one: NAME-beams.png."""
+    from pagedchat.bench.beams import plot_beam_memory
+
+    beams["plot"] = str(Path(plot).with_name(Path(plot).stem + "-beams.png"))
+    plot_beam_memory(beams, beams["plot"])
 
 
 @bench.command("serve", help="Latency under load through `pagedchat serve`: Poisson arrivals over a sweep of "

@@ -29,6 +29,11 @@ def run(
     system: Optional[str] = common.SYSTEM,
     raw: bool = typer.Option(False, "--raw", help="No chat template: encode the prompt as is."),
     num_variants: int = typer.Option(1, "-n", "--num-variants", help="Variants sharing the prompt's KV."),
+    beams: int = typer.Option(0, "--beams", help="Beam search with W beams (outputs: W hypotheses, best first)."),
+    length_penalty: float = typer.Option(1.0, "--length-penalty",
+                                         help="Beam scores are log-prob / length ** X (X > 0 favours long outputs)."),
+    early_stopping: str = typer.Option("false", "--early-stopping",
+                                       help="Beam search stops: true (W finished), false (heuristic), never."),
     file: Optional[Path] = typer.Option(None, "--file", help="JSONL batch: one {\"prompt\": ...} per line."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
     session: Optional[str] = typer.Option(None, "--session", help="Continue session NAME (created if new)."),
@@ -65,6 +70,7 @@ def run(
         raise UserError(f"-n must be >= 1, got {num_variants}")
     _check_combination(prompt, file, session, continue_last, raw, system)
     common.check_overflow(context_overflow, "--context-overflow")
+    beam = _beam_settings(beams, length_penalty, early_stopping, num_variants, session is not None or continue_last)
     if logprobs is not None and (not as_json or session is not None or continue_last):
         raise UserError("--logprobs is reported in --json output: add --json (not with --session/-c)")
     if json_schema is not None and (session is not None or continue_last):
@@ -85,13 +91,28 @@ def run(
         overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
         params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
         params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, logprobs=logprobs,
-                              grammar=grammar)
+                              grammar=grammar, **beam)
         text = job["prompt"]
         ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
     thinking = None if raw else [_opens_thinking(engine, ids) for ids, _ in requests]
     code = _generate(engine, entry.name, requests, as_json, batch=file is not None, thinking=thinking)
     raise typer.Exit(code)
+
+
+def _beam_settings(beams: int, length_penalty: float, early_stopping: str, num_variants: int,
+                   in_session: bool) -> dict:
+    """--beams/--length-penalty/--early-stopping as SamplingParams fields (transformers' meanings)."""
+    stopping = {"true": True, "false": False, "never": "never"}.get(early_stopping.strip().lower())
+    if stopping is None:
+        raise UserError(f"--early-stopping must be true, false or never, got {early_stopping!r}")
+    if beams < 0:
+        raise UserError(f"--beams must be >= 1, got {beams}")
+    if beams and num_variants > 1:
+        raise UserError("--beams returns W hypotheses itself: leave out -n")
+    if beams and in_session:
+        raise UserError("--beams does not continue a session; use /beam W in `pagedchat chat`")
+    return {"beam_width": beams, "length_penalty": length_penalty, "early_stopping": stopping}
 
 
 def _check_combination(prompt, file, session, continue_last: bool, raw: bool, system) -> None:
@@ -192,7 +213,7 @@ def _generate(engine, model_name: str, requests: list, as_json: bool, batch: boo
     """thinking: per prompt, whether its reply starts inside <think> (None: --raw, no reasoning split)."""
     start = time.perf_counter()
     ids, refused = _add_all(engine, requests, batch)
-    stream = not as_json and not batch and requests[0][1].n == 1
+    stream = not as_json and not batch and requests[0][1].n == 1 and not requests[0][1].beam_width
     shown = ReasoningShown(thinking is not None and thinking[0])
     first_token_at = None
     # Ctrl-C leaves the `with`: closing the driver aborts every request (their blocks freed) and re-raises
@@ -240,12 +261,19 @@ def _add_all(engine, requests: list, batch: bool) -> tuple[list, dict]:
 def _print_plain(outputs, batch: bool, thinking) -> None:
     for i, out in enumerate(outputs):
         for variant in out.outputs:
-            labels = ([f"prompt {i + 1}"] if batch else []) + ([f"variant {variant.index + 1}"]
-                                                              if len(out.outputs) > 1 else [])
+            labels = ([f"prompt {i + 1}"] if batch else []) + ([_variant_label(variant)]
+                                                              if len(out.outputs) > 1 or variant.score is not None
+                                                              else [])
             if labels:
                 print(f"--- {' / '.join(labels)} ---")
             text = variant.text if thinking is None else split_reasoning(variant.text, thinking[i])[1]
             print(text + cut_mark(variant.finish_reason))
+
+
+def _variant_label(variant) -> str:
+    if variant.score is None:
+        return f"variant {variant.index + 1}"
+    return f"beam {variant.index + 1} (score {variant.score:.4f})"
 
 
 class ReasoningShown:
@@ -280,6 +308,8 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
             item["reasoning"] = reasoning    # as OpenAI-compatible servers' reasoning_content
         if v.logprobs is not None:
             item["logprobs"] = _logprobs_json(engine.tokenizer, v.logprobs)
+        if v.score is not None:    # beam search: the hypothesis' score (outputs come best first)
+            item["score"] = v.score
         return item
 
     def result(out, i=0):

@@ -24,6 +24,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from pagedchat.engine import beam
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.grammar import Grammars
@@ -143,7 +144,7 @@ class Engine:
         streams (sibling replies, other branches) that n-gram drafts may copy from."""
         params = params or SamplingParams()
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_prompt(ids, params.n)
+        self.check_prompt(ids, max(params.n, params.beam_width))
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -156,9 +157,19 @@ class Engine:
         seq.parent = pinned if pinned is not None and pinned.status == SeqStatus.PINNED else None
         request.sequences.append(seq)
         request.forked = params.n == 1
+        if params.beam_width:
+            request.beam = self._beam_search(request)
         self.requests[request_id] = request
         self.scheduler.add(seq)
         return request_id
+
+    def _beam_search(self, request: Request) -> beam.BeamSearch:
+        params = request.params
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        max_length = min(request.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        search = beam.BeamSearch(request, stop_ids, max_length, self.tokenizer)
+        search.beams = list(request.sequences)
+        return search
 
     def check_prompt(self, ids: list[int], n: int = 1) -> None:
         """Every check that a prompt can be served, in one place; raises EmptyPrompt, TooManyVariants,
@@ -183,11 +194,12 @@ class Engine:
         every block; the first write into the shared partial block copies that one block."""
         handle = _sequence(source)
         assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
-        # a fork starts from computed KV: there is no prompt left to score or pool
-        params = (params or handle.request.params).with_(n=1, prompt_logprobs=None, embed=False)
+        params = (params or handle.request.params).with_(n=1, beam_width=0, prompt_logprobs=None, embed=False)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
-        child = self._fork_sequence(handle, request, 0)
+        # a beam waiting for its siblings has its last token's KV too: the child recomputes that token for
+        # its own logits, so it shares only the blocks of the tokens before it (no block past its computed ones)
+        child = self._fork_sequence(handle, request, 0, computed=min(handle.num_computed, handle.num_tokens - 1))
         request.prefix_hit_tokens = child.num_computed
         self.requests[request_id] = request
         if handle.status == SeqStatus.PINNED:
@@ -263,16 +275,18 @@ class Engine:
             self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         events = [self._fail(seq) for seq in batch.failed]
-        if not batch:
-            return events
-        logits, samplers = self.runner.run(batch)
+        logits, samplers = self.runner.run(batch) if batch else (None, [])
         self.scheduler.commit(batch)
+        # A failed beam ends its whole search, after the forward: its siblings may be in this very batch.
+        events += [e for seq in batch.failed if seq.request.beam for e in self._end_beam_search(seq.request)]
         if logits is None:
             return events
         logits, samplers, verified = self._split_drafted(logits, samplers)
         now = time.perf_counter()
         if samplers:
             logits, samplers = self._fork_variants(logits, samplers)
+            logits, samplers = self._advance_beams(logits, samplers, events)
+        if samplers:
             scores = self.sampler.scores(logits, samplers)
             matchers = [s.matcher for s in samplers]
             allowed = self.grammars().mask(scores, matchers) if any(m is not None for m in matchers) else scores
@@ -319,10 +333,17 @@ class Engine:
             r += n
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], plain, verified
 
-    def _fork_sequence(self, parent: Sequence, request: Request, index: int) -> Sequence:
-        """A child sharing every block of parent (refcount + 1 each); its own sampling stream."""
+    def _fork_sequence(self, parent: Sequence, request: Request, index: int, computed: int | None = None) -> Sequence:
+        """A child sharing the blocks of parent's first `computed` tokens (default: all it computed; refcount
+        + 1 each); its own sampling stream."""
         child = Sequence(request, index, parent.token_ids)
-        self.scheduler.fork_into(parent, child)
+        if computed is None or computed >= parent.num_computed:
+            self.scheduler.fork_into(parent, child)
+        elif self.scheduler.reserve_upfront:    # a reserved table keeps the whole reply's blocks
+            self.scheduler.fork_into(parent, child)
+            child.num_computed, child.block_hashes = computed, child.block_hashes[:computed // self.pool.block_size]
+        else:
+            self.scheduler.fork_into(parent, child, computed)
         child.generator = variant_generator(request.params.seed, index, self.device)
         child.matcher = self._matcher(request.params, inherit=parent)
         request.sequences.append(child)
@@ -346,6 +367,49 @@ class Engine:
         if len(rows) != len(samplers):
             logits = logits[torch.tensor(rows, device=logits.device)]
         return logits, seqs
+
+    def _advance_beams(self, logits: torch.Tensor, samplers: list[Sequence], events: list[TokenEvent]):
+        """Hand beam rows to their searches; a search whose beams all have logits takes its step. Returns
+        the rows left for the sampler."""
+        rows = [i for i, seq in enumerate(samplers) if seq.request.beam is None]
+        if len(rows) == len(samplers):
+            return logits, samplers
+        stepped = []
+        for i, seq in enumerate(samplers):
+            search = seq.request.beam
+            if search is not None and not seq.is_finished:
+                search.offer(seq, logits[i])
+                if search.is_ready() and search not in stepped:
+                    stepped.append(search)
+        for search in stepped:
+            request = search.request
+            request.first_token_time = request.first_token_time or time.perf_counter()
+            picks = search.select()
+            if search.done:
+                events += self._end_beam_search(request)
+            else:
+                search.beams = request.sequences = beam.next_beams(search, picks, self.scheduler)
+        keep = torch.tensor(rows, device=logits.device, dtype=torch.long)
+        return logits[keep], [samplers[i] for i in rows]
+
+    def _end_beam_search(self, request: Request) -> list[TokenEvent]:
+        """Free every live beam; the finished hypotheses (best first) become the request's outputs."""
+        search = request.beam
+        if not search.beams:
+            return []  # already ended (two beams of one request can fail in the same step)
+        for seq in search.beams:
+            if not seq.is_finished:
+                seq.finish_reason = "error" if request.error else "stop"
+                self.scheduler.finish(seq, keep=False)
+        request.finish_time = time.perf_counter()
+        if request.error:  # the failing beam's own event already said so
+            for seq in search.beams:
+                seq.status, seq.error = SeqStatus.FINISHED, request.error
+            request.sequences, search.beams = search.beams, []
+            return []
+        request.sequences, search.beams = search.results(), []
+        return [TokenEvent(request.request_id, s.index, s.output_ids, s.text, s.finish_reason, s.error)
+                for s in request.sequences]
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], now: float, accepted: int | None = None,
                        logprob: TokenLogprob | None = None) -> TokenEvent:
@@ -398,7 +462,7 @@ class Engine:
         wants_logprobs = r.params.logprobs is not None
         outputs = [CompletionOutput(s.index, s.output_ids, s.text, s.finish_reason,
                                     Branch(s) if s.status == SeqStatus.PINNED else None, s.error,
-                                    list(s.logprobs) if wants_logprobs else None)
+                                    score=s.score, logprobs=list(s.logprobs) if wants_logprobs else None)
                    for s in sorted(r.sequences, key=lambda s: s.index)]
         ttft = r.first_token_time - r.arrival_time if r.first_token_time else None
         total = r.finish_time - r.arrival_time if r.finish_time else None

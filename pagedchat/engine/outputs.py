@@ -72,6 +72,7 @@ class CompletionOutput:
     finish_reason: str | None
     handle: Branch | None = None       # pinned branch (keep=True): pass as `parent` to continue from it
     error: str | None = None
+    score: float | None = None         # beam search: the hypothesis' score (outputs come best first)
     logprobs: list[TokenLogprob] | None = None   # one per token_ids entry, when asked for
 
     @property

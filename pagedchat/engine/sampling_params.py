@@ -31,6 +31,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     n: int = 1                      # variants: the prompt is prefilled once, the n children are forks
+    beam_width: int = 0             # > 0: beam search with this many beams (transformers' num_beams)
+    length_penalty: float = 1.0     # beam hypotheses score sum_logprob / length ** length_penalty
+    early_stopping: bool | str = False  # beam search stops: True (W finished), False (heuristic), "never"
     logprobs: int | None = None     # per generated token: its logprob and this many alternatives (0 = none)
     prompt_logprobs: int | None = None   # the same for every prompt token (echo); turns off prefix reuse
     grammar: GrammarSpec | None = None   # structured output: every token is masked to what it allows
@@ -49,6 +52,10 @@ class SamplingParams:
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
             (self.n >= 1, f"n (variants) must be >= 1, got {self.n}"),
+            (self.beam_width >= 0, f"beam width must be >= 1, got {self.beam_width}"),
+            (not self.beam_width or self.n == 1, "beam search returns its beams as its outputs: n must be 1"),
+            (isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+             f"early_stopping must be true, false or never, got {self.early_stopping!r}"),
             (self.logprobs is None or 0 <= self.logprobs <= MAX_TOP_LOGPROBS,
              f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"),
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS,
@@ -61,12 +68,12 @@ class SamplingParams:
     def _check_types(self) -> None:
         """Values from models.toml, a --file line or a session file arrive untyped: say which one is wrong
         instead of failing later inside a comparison."""
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "length_penalty"):
             if not _is_number(getattr(self, name), float):
                 raise UserError(f"{name} must be a number, got {getattr(self, name)!r}")
             if math.isinf(getattr(self, name)):
                 raise UserError(f"{name} must be finite, got {getattr(self, name)}")
-        for name in ("top_k", "max_tokens", "n"):
+        for name in ("top_k", "max_tokens", "n", "beam_width"):
             if not _is_number(getattr(self, name), int):
                 raise UserError(f"{name} must be an integer, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -52,11 +52,11 @@ class Scheduler:
 
     # -- queues ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        _insert_by_arrival(self.waiting, seq)
 
     def add_running(self, seq: Sequence) -> None:
         seq.status = SeqStatus.RUNNING
-        self.running.append(seq)
+        _insert_by_arrival(self.running, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -71,6 +71,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if _waits_for_siblings(seq):  # nothing to compute this step
+                i += 1
+                continue
             n = self._fit_drafts(seq, budget)
             if self._make_room(seq, n, reserve=0):
                 self._reserve(seq, n, batch.copies)
@@ -81,7 +84,8 @@ class Scheduler:
             if seq.draft_ids:
                 seq.draft_ids = []             # drafts are worth no one's preemption
                 continue
-            victim = self.running[-1]
+            # A beam that already has its logits goes first: parked, it loses no work (see _preempt).
+            victim = next((s for s in reversed(self.running) if _waits_for_siblings(s)), self.running[-1])
             if victim is seq and len(self.running) == 1:
                 batch.failed.append(seq)       # alone in an empty pool and still too big
                 self._release(seq)
@@ -104,6 +108,9 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed, budget)
             hold = self._tokens_to_hold(seq, n)
             if not self._make_room(seq, hold, reserve=self.watermark if self.running else 0):
+                if self.running and all(_waits_for_siblings(s) for s in self.running):
+                    self._preempt(self.running[-1])  # only beams waiting for their siblings hold memory
+                    continue
                 if not self.running and self.pool.num_used == self._held_by(seq):
                     self.waiting.popleft()      # nothing else holds memory: it can never fit
                     batch.failed.append(seq)
@@ -117,7 +124,7 @@ class Scheduler:
                 seq.request.prefix_hit_tokens = seq.num_computed
             self._reserve(seq, hold, batch.copies)
             seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            _insert_by_arrival(self.running, seq)
             batch.items.append((seq, n))
             pending |= self._blocks_computed_by([(seq, n)])
             budget -= n
@@ -282,10 +289,14 @@ class Scheduler:
         seq.num_computed = 0
 
     def _preempt(self, seq: Sequence) -> None:
+        """A beam that already has its logits (fully computed) is parked instead of queued: it needs no KV
+        until its search picks it (engine/beam.py queues it then)."""
+        parked = _waits_for_siblings(seq)
         self._release(seq)
         self.running.remove(seq)
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        if not parked:
+            _insert_by_arrival(self.waiting, seq)
         self.num_preemptions += 1
 
     # -- finishing, aborting, pins --------------------------------------------------------------------------
@@ -315,6 +326,21 @@ class Scheduler:
     def all_tables(self) -> list[list[int]]:
         seqs = list(self.running) + list(self.waiting) + list(self.pins.values())
         return [s.block_table for s in seqs] + [t for s in seqs for t in WindowTables.live_tables(s)]
+
+
+def _insert_by_arrival(queue, seq: Sequence) -> None:
+    """Keep a queue in request arrival order (first come, first served; equal ones in insertion order).
+    Running and waiting are ordered by request, not by sequence: a beam search forks new sequences every
+    step, and they must not make the oldest request the newest one, the one preemption picks."""
+    arrival, at = seq.request.arrival_time, len(queue)
+    while at > 0 and queue[at - 1].request.arrival_time > arrival:
+        at -= 1
+    queue.insert(at, seq)
+
+
+def _waits_for_siblings(seq: Sequence) -> bool:
+    """A beam whose next-token logits are taken, waiting for its siblings' before its search steps."""
+    return seq.request.beam is not None and seq.num_computed == seq.num_tokens
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -43,6 +43,7 @@ class Sequence:
         self.emitted = 0                    # characters of text already streamed
         self.detok_offsets = (0, 0)         # slow-tokenizer detokenizer state (prefix_offset, read_offset)
         self.detok_stream = None            # fast-tokenizer DecodeStream
+        self.score: float | None = None     # a beam-search hypothesis: its length-penalized log-probability
         self.logprobs: list[TokenLogprob] = []   # one per output token when the request asks for logprobs
         self.matcher = None                 # llguidance matcher of the request's grammar, at this output
         self.draft_ids: list[int] = []      # proposed tokens verified in this step (speculative decoding)
@@ -89,6 +90,7 @@ class Request:
     prefix_hit_tokens: int | None = None  # set at first admission
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
+    beam: object | None = None           # a BeamSearch (engine/beam.py) when params.beam_width > 0
     # prompt_logprobs[i] scores prompt token i + 1 (the first token has no context to be scored against)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     hidden_sum: torch.Tensor | None = None   # embed: sum of the prompt's last hidden states so far (fp64)

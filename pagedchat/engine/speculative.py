@@ -169,6 +169,7 @@ class Speculator:
         params = seq.request.params
         return (seq.status == SeqStatus.RUNNING and seq.num_computed == seq.num_tokens - 1
                 and seq.request.forked and params.repetition_penalty == 1.0
+                and seq.request.beam is None   # a beam search picks every next token from all beams' logits
                 # logprobs are reduced for one sampled row per step, not for drafts (grammar masks are
                 # walked over the drafts: Grammars.mask_drafted)
                 and params.logprobs is None)

@@ -238,7 +238,11 @@ def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> S
     model = {k: (v, "model") for k, v in settings.sampling_defaults.items()}
     try:
         params, _ = merge_sampling(model, {**request, "__source__": "request"})
-        return params.with_(n=body.n, ignore_eos=body.ignore_eos, grammar=response_grammar(getattr(body, "response_format", None)))
+        if body.use_beam_search:   # the best n of best_of beams (beam search returns its beams, best first)
+            return params.with_(n=1, ignore_eos=body.ignore_eos, beam_width=body.best_of or body.n,
+                                length_penalty=body.length_penalty, early_stopping=body.early_stopping)
+        return params.with_(n=body.n, ignore_eos=body.ignore_eos,
+                            grammar=response_grammar(getattr(body, "response_format", None)))
     except UserError as e:
         raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
 
@@ -381,6 +385,8 @@ class _Reply:
         choices = []
         for slot, out in enumerate(outputs):
             for c in out.outputs:
+                if c.index >= self.n:
+                    continue   # beam search: hypotheses past the n best asked for
                 prompt_len = len(self.prompt_texts[slot]) if self.prompt_texts else 0
                 logprobs = self._logprobs(slot, c.logprobs, out.prompt_logprobs if self.echo else None,
                                           out.prompt_token_ids, prompt_len)
@@ -414,8 +420,8 @@ class _Reply:
                 if isinstance(item, Done) and item.output.error:
                     yield _sse(error_payload(item.output.error, code="kv_pool_exhausted"))
                     break
-                if not isinstance(item, Token) or item.event.finish_reason == "error":
-                    continue
+                if not isinstance(item, Token) or item.event.finish_reason == "error" or item.event.index >= self.n:
+                    continue   # (beam search: hypotheses past the n best asked for)
                 event, index = item.event, item.slot * self.n + item.event.index
                 if index not in offsets:
                     offsets[index] = len(self.prompt_texts[item.slot]) if self.prompt_texts else 0

@@ -58,6 +58,11 @@ class _GenerationRequest(BaseModel):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
+    # beam search as vLLM's OpenAI server took it: best_of beams (default n), the best n returned
+    use_beam_search: bool = False
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_SERVER_VARIANTS)
+    length_penalty: float = 1.0
+    early_stopping: Union[bool, Literal["never"]] = False
     response_format: Optional[dict[str, Any]] = None    # text | json_object | json_schema (completions too)
     # pagedchat extension: a prompt over the context is a 400 context_length_exceeded unless the request
     # opts in to drop-oldest (chat: the oldest non-system messages go; text: the prompt keeps its end)
@@ -119,7 +124,6 @@ NOOP_FIELDS: dict[str, tuple[Any, str]] = {
     "reasoning_effort": (_none_or(), "reasoning_effort is not supported"),
     "verbosity": (_none_or(), "verbosity is not supported"),
     "suffix": (_none_or(""), "suffix (insertion) is not supported"),
-    "best_of": (None, "best_of must equal n"),       # checked against n below
 }
 
 
@@ -128,16 +132,23 @@ def check_extra_fields(request: _GenerationRequest) -> None:
     for name, value in (request.model_extra or {}).items():
         if name in IGNORED_FIELDS:
             continue
-        if name == "best_of":
-            if value is not None and value != request.n:
-                raise APIError(400, f"best_of={value} is not supported: best_of must equal n", param=name)
-            continue
         rule = NOOP_FIELDS.get(name)
         if rule is None:
             raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name)
         is_noop, hint = rule
         if not is_noop(value):
             raise APIError(400, f"{name}={value!r} is not supported by pagedchat serve: {hint}", param=name)
+    check_beam_fields(request)
+
+
+def check_beam_fields(request: _GenerationRequest) -> None:
+    """best_of means beams with use_beam_search; without it, only best_of == n (no server-side ranking)."""
+    if request.use_beam_search:
+        if request.best_of is not None and request.best_of < request.n:
+            raise APIError(400, f"best_of ({request.best_of}) must be >= n ({request.n})", param="best_of")
+    elif request.best_of is not None and request.best_of != request.n:
+        raise APIError(400, f"best_of={request.best_of} is not supported without use_beam_search: best_of must "
+                            f"equal n", param="best_of")
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict]:
