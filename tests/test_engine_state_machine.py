@@ -312,3 +312,19 @@ def test_windowed_engine_state_machine():
                  "released window blocks seen", "window prefix hits",
                  "window prefix hits behind released blocks"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
+
+
+def test_edit_from_an_earlier_point_that_evicts_its_own_parent_keeps_the_cache_sound():
+    """Found by `edit_turn`: a turn forked from an earlier point of a pinned head shares the head's full block
+    there; when admitting it evicts that very pin, the fork owns the block alone and writes into it in place.
+    The block must leave the prefix-cache index, or a later prompt would hit KV that is no longer there."""
+    engine, runner = fake_engine(num_blocks=3, block_size=8, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    head = engine.generate([[2 + (i * 5) % 20 for i in range(20)]], params, keep=True)[0].outputs[0].handle
+    rid = engine.add_request(head.token_ids[:12] + [3], params.with_(max_tokens=1), parent=head)
+    while not engine.requests[rid].finished:
+        engine.step()
+    assert engine.pop_output(rid).prefix_hit_tokens == 12 and not head.is_pinned
+    for block in engine.pool.hash_to_block.values():
+        assert tuple(runner.content[block]) == engine.pool.block_tokens[block], f"block {block} hashed wrongly"
+    engine.check_invariants()
