@@ -63,9 +63,9 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     acc = compute_dtype(q.dtype)
     k, v = gather_kv(k_cache, plan.table, plan.max_len), gather_kv(v_cache, plan.table, plan.max_len)
     if plan.hidden is not None:  # [B, L, 1, 1]: padding slots of the shorter sequences
-        k, v = k.masked_fill(plan.hidden, 0), v.masked_fill(plan.hidden, 0)
+        _zero_hidden(k, v, plan)
     o = F.scaled_dot_product_attention(q.to(acc).unsqueeze(2), _heads_major(k, acc), _heads_major(v, acc),
-                                       attn_mask=plan.mask, scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
+                                       attn_mask=_mask(plan.mask, acc), scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
     o = o.view(batch, num_q_heads, head_dim).to(q.dtype)
     if plan.empty_rows is not None:
         o[plan.empty_rows] = 0  # a row that sees no key: zeros, never NaN
@@ -87,7 +87,10 @@ class _DecodePlan:
             owned = torch.tensor([-(-n // block_size) for n in lens], device=device)
             table = table.masked_fill(torch.arange(table.shape[1], device=device) >= owned[:, None], 0)
             visible = torch.arange(self.max_len, device=device) < torch.tensor(lens, device=device)[:, None]
-            self.hidden, self.mask = ~visible[:, :, None, None], visible[:, None, None, :]
+            # an additive float mask: SDPA's CPU kernel takes it faster than a boolean one
+            self.tail = min(lens)  # no slot before this is past any sequence's end
+            self.hidden = ~visible[:, self.tail:, None, None]
+            self.mask = _additive(visible[:, None, None, :])
             if min(lens) == 0:
                 self.empty_rows = torch.tensor(lens, device=device) == 0
         self.table = table
@@ -98,6 +101,24 @@ class _DecodePlan:
 
 
 _last_plan: _DecodePlan | None = None
+
+
+def _additive(visible: torch.Tensor) -> torch.Tensor:
+    """A boolean attention mask as SDPA's additive float mask (0 where visible, -inf elsewhere)."""
+    return torch.zeros(visible.shape, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def _mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """An additive mask in the dtype SDPA computes in (fp64 for the oracle)."""
+    return mask if mask is None or mask.dtype == dtype else mask.to(dtype)
+
+
+def _zero_hidden(k: torch.Tensor, v: torch.Tensor, plan) -> None:
+    """Zero the gathered slots past each sequence's end (in place: the gather made fresh tensors). They are
+    masked, but the pool is not zero-filled and a masked NaN would still poison the sum. Only slots from
+    plan.tail on can be past an end."""
+    k[:, plan.tail:].masked_fill_(plan.hidden, 0)
+    v[:, plan.tail:].masked_fill_(plan.hidden, 0)
 
 
 def _decode_plan(block_tables, seq_lens, block_size: int, device) -> _DecodePlan:
@@ -130,10 +151,13 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     total_q, num_q_heads, head_dim = q.shape
     assert num_q_heads % k_cache.shape[2] == 0, "Hq must be a multiple of Hkv"
     acc = compute_dtype(q.dtype)
-    result = out if out is not None else torch.empty_like(q)
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     assert len(starts) == len(lens) + 1, "cu_seqlens_q must have B+1 entries"
+    if len(lens) > 1 and max(b - a for a, b in zip(starts, starts[1:])) <= _SHORT_EXTEND:
+        plan = _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, k_cache.shape[1], q.device)
+        return _into(out, _short_extend(q, k_cache, v_cache, plan, scale, acc))
+    result = out if out is not None else torch.empty_like(q)
     for i, ctx_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
         num_new = q_end - q_start
@@ -160,8 +184,68 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     else:
         positions = torch.arange(rows, device=q.device)[:, None] + first_position
         mask, causal = torch.arange(keys, device=q.device)[None, :] <= positions, False
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=True)
+    # a batch dimension of 1: unbatched (3-D) GQA inputs with a mask fall back to SDPA's slow math path on CPU
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=causal,
+                                          scale=scale, enable_gqa=True)[0]
+
+
+# Batches whose sequences all add at most this many query rows (decode + speculative drafts, short chunks)
+# run as ONE padded gather + SDPA for the whole batch instead of one per sequence.
+_SHORT_EXTEND = 64
+
+
+class _ExtendPlan:
+    """A padded layout of a short-query batch, computed by a step's first layer and reused by the others:
+    queries [B, M] with M the longest row count, keys [B, L] with L the longest context."""
+
+    def __init__(self, block_tables, cu_seqlens_q, seq_lens, starts: list[int], lens: list[int], block_size: int,
+                 device: torch.device):
+        self.key = (block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size, device)
+        news = [b - a for a, b in zip(starts, starts[1:])]
+        self.rows, self.max_len = max(news), max(lens)
+        table = block_tables[:, : -(-self.max_len // block_size)].to(device).long()
+        owned = torch.tensor([-(-n // block_size) for n in lens], device=device)
+        self.table = table.masked_fill(torch.arange(table.shape[1], device=device) >= owned[:, None], 0)
+        # flat query row r of sequence b sits at padded row (b, i): one index for the scatter and the gather
+        self.flat = torch.tensor([b * self.rows + i for b, n in enumerate(news) for i in range(n)], device=device)
+        length = torch.tensor(lens, device=device)
+        first = length - torch.tensor(news, device=device)  # position of each sequence's first query row
+        keys = torch.arange(self.max_len, device=device)
+        visible = keys[None, None, :] <= first[:, None, None] + torch.arange(self.rows, device=device)[None, :, None]
+        visible &= keys[None, None, :] < length[:, None, None]
+        visible[:, :, 0] = True  # padding query rows see key 0 (their output is dropped): never an empty row
+        self.mask = _additive(visible[:, None])                        # [B, 1, M, L]
+        self.hidden, self.tail = None, min(lens)
+        if self.tail < self.max_len:  # [B, L - tail, 1, 1]: slots past a shorter sequence's end
+            self.hidden = (keys[None, self.tail:] >= length[:, None])[:, :, None, None]
+
+    def matches(self, *key) -> bool:
+        return all(a is b for a, b in zip(self.key[:3], key[:3])) and list(self.key[3:]) == list(key[3:])
+
+
+_last_extend: _ExtendPlan | None = None
+
+
+def _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size, device) -> _ExtendPlan:
+    global _last_extend
+    key = (block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size, device)
+    if _last_extend is None or not _last_extend.matches(*key):
+        _last_extend = _ExtendPlan(*key)
+    return _last_extend
+
+
+def _short_extend(q, k_cache, v_cache, plan: _ExtendPlan, scale: float, acc: torch.dtype) -> torch.Tensor:
+    """Every sequence's query rows padded to [B, Hq, M, D] against its gathered, zero-padded context."""
+    batch, (total_q, num_q_heads, head_dim) = plan.table.shape[0], q.shape
+    k, v = gather_kv(k_cache, plan.table, plan.max_len), gather_kv(v_cache, plan.table, plan.max_len)
+    if plan.hidden is not None:
+        _zero_hidden(k, v, plan)
+    padded = q.new_zeros((batch * plan.rows, num_q_heads, head_dim), dtype=acc)
+    padded[plan.flat] = q.to(acc)
+    padded = padded.view(batch, plan.rows, num_q_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(padded, _heads_major(k, acc), _heads_major(v, acc),
+                                       attn_mask=_mask(plan.mask, acc), scale=scale, enable_gqa=True)  # [B, Hq, M, D]
+    return o.transpose(1, 2).reshape(batch * plan.rows, num_q_heads, head_dim)[plan.flat].to(q.dtype)
 
 
 def _flat_slots(cache: torch.Tensor) -> torch.Tensor:

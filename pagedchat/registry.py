@@ -24,7 +24,11 @@ _NOT_READ = {"kv": "the KV pool is sized per run: --kv-memory and --block-size",
 ENTRY_KEYS = {"source", "path", "revision", "aliases", "dtype", "max_context", "chat_template",
               "chat_template_kwargs", "system_prompt", "stop", "sampling", "trust_remote_code", "description",
               "context_overflow", "speculate", "num_draft_tokens", "draft_model", *_NOT_READ}
+# kind = "remote": an OpenAI-compatible server generates (chat/remote_backend.py); `model` is the id it
+# serves, `tokenizer` (a folder or models.toml name) or `path` the local tokenizer and template
+REMOTE_KEYS = {"kind", "server", "api_key", "model", "tokenizer"}
 DEFAULT_KEYS = (ENTRY_KEYS - {"trust_remote_code"}) | {"model"}  # remote code: per model only
+ENTRY_KEYS = ENTRY_KEYS | REMOTE_KEYS
 
 
 def user_config_path() -> Path:
@@ -124,6 +128,9 @@ class Registry:
         if key is not None:
             table = self.models[key]
             source = table.get("path") or table.get("source")
+            if not source and table.get("kind") == "remote":   # no local folder: the server's id names it
+                return ModelEntry(key, Path(table.get("model") or key), table.get("model") or key, table,
+                                  self.defaults)
             if not source:
                 raise UserError(f"{self.origin[key]}: [models.{key}] needs a `source` (path or HF repo id)")
             origin = self.origins[key].get("path") or self.origins[key].get("source") or self.origin[key]
@@ -237,7 +244,7 @@ def _check_aliases(registry: "Registry") -> None:
 _TYPES = {"source": str, "path": str, "revision": str, "dtype": str, "chat_template": str, "system_prompt": str,
           "description": str, "model": str, "trust_remote_code": bool, "max_context": int,
           "sampling": dict, "chat_template_kwargs": dict, "speculate": str, "num_draft_tokens": int,
-          "draft_model": str}
+          "draft_model": str, "kind": str, "server": str, "api_key": str, "tokenizer": str}
 
 
 def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> None:
@@ -260,6 +267,15 @@ def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> N
     for key, kind in _TYPES.items():
         if key in table and (not isinstance(table[key], kind) or kind is int and isinstance(table[key], bool)):
             fail(f"{key} must be {_KIND_NAMES[kind]}, got {table[key]!r}", key)
+    if "kind" in table and table["kind"] not in ("local", "remote"):
+        fail(f"kind must be \"local\" or \"remote\", got {table['kind']!r}", "kind")
+    if where != "defaults":
+        remote_only = sorted(set(table) & (REMOTE_KEYS - {"kind"}))
+        if table.get("kind") == "remote" and "server" not in table:
+            fail("a kind = \"remote\" entry needs `server` (the URL of an OpenAI-compatible server)", "kind")
+        if table.get("kind") != "remote" and remote_only:
+            fail(f"{remote_only[0]} is for kind = \"remote\" entries (a model an OpenAI-compatible server runs)",
+                 remote_only[0])
     if "dtype" in table and table["dtype"] not in DTYPE_CHOICES:
         fail(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {table['dtype']!r}", "dtype")
     if "speculate" in table and table["speculate"] not in ("ngram", "draft", "off"):

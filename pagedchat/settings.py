@@ -28,6 +28,7 @@ class ModelOptions:
     speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
     num_draft_tokens: Optional[int] = None
     draft_model: Optional[str] = None
+    server: Optional[str] = None    # chat/run: an OpenAI-compatible server generates (chat/remote_backend.py)
 
 
 @dataclass
@@ -53,6 +54,9 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     from pagedchat.registry import Registry
 
     entry = Registry().resolve(opts.model)
+    if entry.table.get("kind") == "remote":
+        raise UserError(f"model {entry.name} is a remote model (kind = \"remote\" in models.toml): `chat` and "
+                        f"`run` reach it through its server; the local engine cannot load it")
     dtype = opts.dtype or entry.get("dtype", "auto").value
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]

@@ -53,6 +53,15 @@ def test_beams_match_with_chunked_prefill_and_preemption(model_dirs, arch):
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for every beam at once"
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_beams_on_sliding_window_models(model_dirs, arch):
+    """Window layers keep block tables of their own: beams fork, share and free those too, still exact (a
+    window of 24 tokens over 20-72-token sequences, prefill in chunks, a pool that can preempt)."""
+    path, hf = model_dirs[arch]
+    engine = Engine(EngineConfig(model=str(path), num_blocks=40, block_size=8, max_num_batched_tokens=7),
+                    show_progress=False)
+    run_beams(engine, hf, seed=3, cases=[CASES[1], CASES[2], CASES[4]], lo=20, hi=60)
+
 def test_beams_share_blocks_and_copy_at_most_w_per_step():
     """8 beams over a 64-token prompt: every step copies at most W blocks (only partial last blocks), and
     after every step the pool holds exactly the blocks of the live beams (dropped beams freed at once)."""

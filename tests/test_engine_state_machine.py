@@ -275,6 +275,11 @@ class SpeculatingMachine(EngineMachine):
     rolled back when rejected, and must leave the pool exactly as the invariants above demand."""
     ENGINE = {"speculate": "ngram", "num_draft_tokens": 4}
 
+    def __init__(self):
+        super().__init__()
+        # every draft verified: the measured draft budget (timings of a model-free engine) must not thin them out
+        self.engine.speculator.budget = None
+
     def teardown(self):
         stats = self.engine.speculator.stats
         COUNTS["spec proposed"] += stats.proposed_tokens

@@ -171,6 +171,24 @@ def test_prefill_ref_matches_naive(seed):
             torch.testing.assert_close(out[cu[b] + j], want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("new_tokens", [[1, 3, 7, 1, 2], [70, 2, 1, 5, 3]])  # padded batch / per sequence
+def test_prefill_ref_short_extend_and_per_sequence_paths_match_naive(new_tokens):
+    """Decode + speculative drafts: every sequence adds a few rows (one padded gather + SDPA for the batch);
+    one long chunk sends the batch through the per-sequence loop. Lengths differ, the pool is NaN-poisoned."""
+    gen = torch.Generator().manual_seed(sum(new_tokens))
+    seq_lens = [n + extra for n, extra in zip(new_tokens, [30, 0, 12, 57, 4])]
+    k_cache, v_cache, table = make_case(seq_lens, 8, 2, 16, torch.float64, gen)
+    cu = torch.tensor([0] + list(torch.tensor(new_tokens).cumsum(0)), dtype=torch.int32)
+    q = torch.randn(int(cu[-1]), 6, 16, generator=gen, dtype=torch.float64)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    out = K.paged_prefill_attention_ref(q, k_cache, v_cache, table, cu, lens, 0.4)
+    assert not out.isnan().any()
+    for b, (n, m) in enumerate(zip(seq_lens, new_tokens)):
+        for j in range(0, m, 9):
+            want = naive_attention_row(q[cu[b] + j], k_cache, v_cache, table[b], n - m + j + 1, 0.4)
+            torch.testing.assert_close(out[cu[b] + j], want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_ref_half_precision_accumulates_in_fp32(dtype):
     gen = torch.Generator().manual_seed(7)

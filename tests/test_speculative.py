@@ -11,7 +11,7 @@ import torch
 from fake_runner import EOS, fake_engine
 from hf_models import ARCHS
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
-from pagedchat.engine.speculative import NgramProposer, SpecState
+from pagedchat.engine.speculative import DraftBudget, NgramProposer, SpecState
 from test_engine_equality import check
 
 NEW_TOKENS = 24
@@ -81,8 +81,9 @@ def test_bad_proposer_greedy_equals_transformers(model_dirs, arch):
 
 
 def _pin_depth(engine, k):
-    """Drafts of depth k every step, whatever the acceptance (so bad drafts are really verified)."""
+    """Drafts of depth k every step, whatever the acceptance or their cost (so bad drafts are really verified)."""
     engine.speculator._depth = lambda seq: min(k, seq.request.params.max_tokens - seq.num_output_tokens - 1)
+    engine.speculator.budget = None
 
 
 def test_ngram_chunked_preempted_and_variants(model_dirs):
@@ -202,6 +203,65 @@ def test_seeded_speculative_sampling_is_reproducible():
     assert first == again and len({tuple(v) for v in first}) > 1
 
 
+def test_seeded_speculative_sampling_draws_the_plain_tokens():
+    """The sampled token of each position comes from the sequence's own noise stream, one draw per emitted
+    token, so drafting (however deep, whatever the step budget keeps) does not change a seeded reply."""
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=30, seed=11, n=2, ignore_eos=True)
+    prompt = [[3, 4, 5, 3, 4, 5, 3]]
+    plain, _ = fake_engine()
+    expected = [v.token_ids for v in plain.generate(prompt, params)[0].outputs]
+    for depth in (1, 4):
+        engine, _ = fake_engine(speculate="ngram", num_draft_tokens=4)
+        engine.speculator.proposer = EchoProposer(expected[0])  # right for variant 0, mostly wrong for 1
+        _pin_depth(engine, depth)
+        assert [v.token_ids for v in engine.generate(prompt, params)[0].outputs] == expected
+        stats = engine.speculator.stats
+        assert 0 < stats.accepted_tokens < stats.proposed_tokens
+
+
+def test_draft_budget_runs_the_measured_best_cap_and_remeasures_the_others():
+    budget = DraftBudget(6)
+    assert budget.caps == [6, 0]
+
+    def run(rates, steps, decodes=16):
+        chosen = []
+        for _ in range(steps):
+            cap = budget.choose(decodes)
+            chosen.append(cap)
+            budget.observe(decodes, cap, tokens=rates[cap], seconds=1.0)
+        return chosen
+
+    chosen = run({6: 3.0, 0: 1.0}, 400)  # drafts triple the tokens per second at this batch size
+    assert chosen[:6] == [6, 6, 6, 0, 0, 0]  # unmeasured caps first, the largest first, a few steps each
+    assert chosen[6:].count(6) > 380 and 0 in chosen[6:]  # the best, the other measured again now and then
+    chosen = run({6: 1.0, 0: 3.0}, 300)  # drafts stopped paying (say, the text changed)
+    assert chosen[-100:].count(0) > 95
+    assert budget.choose(1) == 6  # another batch-size class is measured apart
+
+
+def test_closed_batch_drafts_only_for_the_sequences_furthest_from_done():
+    """Nothing waits: a sequence more than one step's drafts ahead of the one with the most tokens left
+    decodes plainly (its drafts would not end the run sooner)."""
+    engine, _ = fake_engine(speculate="ngram", num_draft_tokens=4)
+    spec = engine.speculator
+    spec.budget.choose = lambda decodes: 4
+    spec.proposer = RandomProposer(24)  # always k drafts: only the closed-batch rule withholds them
+    seqs = []
+    for out_len in (0, 3, 9):
+        rid = engine.add_request([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(temperature=0, max_tokens=20))
+        seqs.append(engine.requests[rid].sequences[0])
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    for seq, extra in zip(seqs, (0, 3, 9)):  # put them at different distances from max_tokens
+        seq.token_ids += [4] * extra
+        seq.num_computed = seq.num_tokens - 1
+    spec.propose(engine.scheduler.running, closed=True)
+    ahead = [bool(s.draft_ids) for s in seqs]
+    assert ahead[0] and ahead[1] and not ahead[2], ahead
+    spec.propose(engine.scheduler.running, closed=False)
+    assert all(s.draft_ids for s in seqs)
+
+
 # -- the n-gram proposer -------------------------------------------------------------------------------------
 class _Seq:
     def __init__(self, tokens, context=()):
@@ -226,6 +286,9 @@ def test_ngram_prefers_longest_then_the_stream_matching_furthest_back():
     seq = _Seq([50, 51, 52, 53, 54], context=[[1, 50, 51, 52, 53, 54, 60, 61]])
     assert proposer.propose([seq], [4]) == [[60, 61]]
     assert proposer.propose([_Seq([1, 2, 3])], [3]) == [[]]
+    # a loop in the sequence's own tokens continues with its period (an overlapping copy)
+    assert proposer.propose([_Seq([9, 4, 5, 6, 4, 5, 6, 4])], [5]) == [[5, 6, 4, 5, 6]]
+    assert proposer.propose([_Seq([1, 7, 7, 7])], [3]) == [[7, 7, 7]]
 
 
 def test_ngram_index_grows_with_the_sequence():

@@ -32,8 +32,8 @@ def start(model_opts: ModelOptions, sampling: SamplingOptions, session_name: str
             if model_opts.model is None and saved.model:
                 model_opts = replace(model_opts, model=saved.model)
     check_overflow(context_overflow, "--context-overflow")   # before the model loads
-    engine, entry = load_engine(model_opts, show_progress=show_progress)
-    ctl = ChatController(engine, entry, store, sampling, system, context_overflow, overflow_default)
+    engine, entry, backend = _generator(model_opts, show_progress)
+    ctl = ChatController(engine, entry, store, sampling, system, context_overflow, overflow_default, backend=backend)
     if saved is not None:
         ctl.check_model(saved)
         ctl.sessions[saved.name] = ctl.current = saved
@@ -43,3 +43,15 @@ def start(model_opts: ModelOptions, sampling: SamplingOptions, session_name: str
     else:
         ctl.new_session()
     return ctl, True
+
+
+def _generator(model_opts: ModelOptions, show_progress: bool):
+    """(engine, entry, backend) for the controller: backend is a RemoteBackend when a server generates (the
+    engine is then None), else None (the controller wraps the engine in a ChatBackend)."""
+    from pagedchat.chat.remote_backend import is_remote, open_remote
+
+    if is_remote(model_opts):
+        backend, entry = open_remote(model_opts, show_progress)
+        return None, entry, backend
+    engine, entry = load_engine(model_opts, show_progress=show_progress)
+    return engine, entry, None

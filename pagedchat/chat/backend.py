@@ -39,6 +39,18 @@ class ChatBackend:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def eos_token_ids(self):
+        return self.engine.eos_token_ids
+
+    def describe(self) -> dict | None:
+        """The remote side of the numbers (chat/remote_backend.py); None: the local engine generates."""
+        return None
+
     def check_grammar(self, spec) -> None:
         """Raises GrammarError (one line) when the engine cannot enforce this grammar."""
         self.engine.grammars().matcher(spec)
@@ -49,10 +61,11 @@ class ChatBackend:
 
     # -- a turn ---------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], params: SamplingParams, parent: Branch | None, on_update,
-                 context: list[list[int]] | None = None) -> Generated:
+                 context: list[list[int]] | None = None, messages: list[dict] | None = None) -> Generated:
         """Run one prompt (n variants, pinned when they finish) to the end or to a stop; on_update(index,
         text so far) as text arrives. A prompt over the context raises ContextFull; a request that failed in
-        the engine raises its error (its finished variants released)."""
+        the engine raises its error (its finished variants released). messages: the same turn as chat
+        messages, for a remote server that takes no token ids (unused here)."""
         try:
             rid = self.engine.add_request(prompt, params, keep=True, parent=parent, context=context)
         except ContextTooLong as e:
@@ -118,8 +131,10 @@ class ChatBackend:
 
 @contextmanager
 def stop_on_ctrl_c(backend: ChatBackend):
-    """Ctrl-C while a reply streams stops it at the next step (the engine is never cut mid-step)."""
-    if threading.current_thread() is not threading.main_thread():
+    """Ctrl-C while a reply streams stops it at the next step (the engine is never cut mid-step). A backend
+    that raises_on_ctrl_c (a remote server: a blocked socket read must end at once) gets the plain
+    KeyboardInterrupt instead."""
+    if threading.current_thread() is not threading.main_thread() or getattr(backend, "raises_on_ctrl_c", False):
         yield
         return
 

@@ -19,7 +19,7 @@ from pagedchat.chat.backend import ChatBackend, ContextFull  # noqa: F401  (Cont
 from pagedchat.chat.session import Session, check_name
 from pagedchat.chat.store import SaveError, SessionStore
 from pagedchat.chat.tree import Node
-from pagedchat.chat.turns import Templater
+from pagedchat.chat.turns import Templater, TextOnlyTemplater
 from pagedchat.settings import MAX_FORK_VARIANTS, OVERFLOW_POLICIES, SamplingOptions, check_overflow, resolve_sampling
 from pagedchat.engine.sampling_params import SETTING_KEYS, SETTING_TYPES
 from pagedchat.errors import UserError
@@ -48,14 +48,18 @@ class TurnResult:
 class ChatController:
     def __init__(self, engine, entry, store: SessionStore | None = None, cli: SamplingOptions | None = None,
                  system: str | None = None, context_overflow: str | None = None,
-                 overflow_default: str = "stop"):
+                 overflow_default: str = "stop", backend=None):
         self.engine, self.entry = engine, entry     # the engine is used through self.backend only
-        self.backend = ChatBackend(engine)
+        # backend: ChatBackend on the local engine, or RemoteBackend (--server; engine is None then)
+        self.backend = backend or ChatBackend(engine)
         self.store = store or SessionStore()
         self.cli = cli or SamplingOptions()
         self.cli_system = system
-        self.templater = Templater(engine.tokenizer, engine.eos_token_ids, entry.table.get("chat_template_kwargs"),
-                                   model=entry.name)
+        if self.backend.tokenizer is None and self.backend.describe() is not None:
+            self.templater = TextOnlyTemplater()    # a server's model with no local tokenizer: text only
+        else:
+            self.templater = Templater(self.backend.tokenizer, self.backend.eos_token_ids,
+                                       entry.table.get("chat_template_kwargs"), model=entry.name)
         self.sessions: dict[str, Session] = {}      # resident: all share the engine's pool
         self.current: Session | None = None
         self.last_stats: dict | None = None
@@ -112,10 +116,13 @@ class ChatController:
             raise UserError(f"session {session.name} was recorded with model {session.model!r}, not "
                             f"{self.entry.name!r}: its token ids only mean something to that model "
                             f"(use -m {session.model})")
-        vocab = session.fingerprint.get("vocab_size")
-        if vocab is not None and vocab != self.templater.fingerprint()["vocab_size"]:
+        vocab, mine = session.fingerprint.get("vocab_size"), self.templater.fingerprint().get("vocab_size")
+        if vocab is not None and mine is not None and vocab != mine:
             raise UserError(f"session {session.name} was recorded with a tokenizer of {vocab} tokens; this "
-                            f"model's has {self.templater.fingerprint()['vocab_size']}")
+                            f"model's has {mine}")
+        if session.fingerprint.get("history") == "text" and mine is not None:
+            raise UserError(f"session {session.name} was recorded as text only (a server whose model had no local "
+                            f"tokenizer): it has no token ids to continue from; continue it the same way (--server)")
 
     def save(self, as_name: str | None = None):
         session = self.session
@@ -291,7 +298,8 @@ class ChatController:
         path = self._path_with_system()
         params, notes = self._params(n)
         prompt, user_ids, context = self._fit(path, text, params, notes)
-        out, interrupted, stats = self._generate(prompt, params, notes, on_update)
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update,
+                                                 messages=_messages(path, text))
         if path and path[-1].id == 0:  # the system node of a conversation that starts now
             path[-1] = s.tree.add(None, "system", path[-1].text, path[-1].token_ids)
         user = s.tree.add(path[-1].id if path else None, "user", text, user_ids, context=context)
@@ -310,7 +318,8 @@ class ChatController:
         prompt = s.tree.path_tokens(user.id)
         # earlier replies to the same message: n-gram drafts copy what a regeneration repeats of them
         context = [prompt[-CONTEXT_LEAD:] + reply.token_ids for reply in s.tree.children(user.id)]
-        out, interrupted, stats = self._generate(prompt, params, notes, on_update, context)
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update, context,
+                                                 messages=_messages(s.tree.path(user.id)))
         return self._finish(user, out, interrupted, stats, notes, user_node=None)
 
     def edit(self, node_id: int, text: str, on_update=None) -> TurnResult:
@@ -327,7 +336,8 @@ class ChatController:
         # the edited message's siblings and their replies: an edit's answer repeats much of the old one
         related = [sibling.token_ids + reply.token_ids for sibling in s.tree.children(node.parent)
                    for reply in s.tree.children(sibling.id)]
-        out, interrupted, stats = self._generate(prompt, params, notes, on_update, related)
+        out, interrupted, stats = self._generate(prompt, params, notes, on_update, related,
+                                                 messages=_messages(path, text))
         user = s.tree.add(node.parent, "user", text, user_ids, context=context)
         return self._finish(user, out, interrupted, stats, notes, user_node=user)
 
@@ -361,6 +371,9 @@ class ChatController:
         """`/logprobs on|off`: replies from now on keep their tokens' alternatives (stored in the session)."""
         if mode not in ("on", "off"):
             raise UserError("usage: /logprobs on|off (/logprobs alone lists the head reply's alternatives)")
+        if mode == "on" and self.backend.describe() is not None:
+            raise UserError("/logprobs needs the local engine (the alternatives of each token): not available "
+                            "with --server")
         self.session.settings["logprobs"] = mode == "on"
         if mode == "off":
             return "logprobs off: new replies keep no alternatives (stored ones stay)"
@@ -473,7 +486,7 @@ class ChatController:
             notes.append(f"temperature is 0, so {what}: sampling at temperature {temperature:g}")
         return params, notes
 
-    def _generate(self, prompt: list[int], params, notes: list[str], on_update, context=None):
+    def _generate(self, prompt: list[int], params, notes: list[str], on_update, context=None, messages=None):
         room = self.backend.max_model_len - len(prompt)
         # Under stop, leave room for more turns in a small context; drop-oldest makes room when it must.
         limit = room if self.overflow_policy()[0] == "drop-oldest" else max(room // 2, min(room, 32))
@@ -486,7 +499,9 @@ class ChatController:
                 self.on_note(note)
             notes.clear()
         parent = self.backend.pin_for(self.session.handles, prompt)
-        done = self.backend.generate(prompt, params, parent, on_update, context)
+        done = self.backend.generate(prompt, params, parent, on_update, context, messages=messages)
+        notes.extend(getattr(self.backend, "notes", ()))    # a remote fallback, said once
+        getattr(self.backend, "notes", []).clear()
         stats = self._stats(prompt, done.output, capped, max(params.n, params.beam_width))
         return done.output, done.interrupted, stats
 
@@ -496,15 +511,20 @@ class ChatController:
         decode_s = (total - ttft) if total is not None and ttft is not None else None
         decoded = completion - len(out.outputs)
         pool = self.backend.pool_stats()
+        remote = self.backend.describe()
+        size = len(prompt)
+        if remote is not None and not prompt:   # text only (no local tokenizer): the server counted the prompt
+            size = remote["prompt_tokens"] or 0
         return {"ttft_s": ttft, "total_s": total,
                 "tokens_per_s": decoded / decode_s if decode_s and decoded > 0 else None,
                 "completion_tokens": completion, "variants": len(out.outputs),
                 "variants_requested": n,
-                "prompt_tokens": len(prompt), "prompt_cached": out.prefix_hit_tokens,
-                "prompt_new": len(prompt) - out.prefix_hit_tokens,
-                "context_tokens": len(prompt) + max((len(v.token_ids) for v in out.outputs), default=0),
+                "prompt_tokens": size, "prompt_cached": out.prefix_hit_tokens,
+                "prompt_new": size - out.prefix_hit_tokens,
+                "context_tokens": size + max((len(v.token_ids) for v in out.outputs), default=0),
                 "max_context": self.backend.max_model_len, "capped_max_tokens": capped,
-                "blocks_used": pool.used, "num_blocks": pool.num_blocks, "block_size": pool.block_size}
+                "blocks_used": pool.used, "num_blocks": pool.num_blocks, "block_size": pool.block_size,
+                **({"remote": remote} if remote is not None else {})}
 
     def _finish(self, parent: Node, out, interrupted: bool, stats: dict, notes: list[str], user_node,
                 logprob_prefix: list | None = None) -> TurnResult:
@@ -562,7 +582,15 @@ class ChatController:
                 "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,
                 "prefix_hit_rate": pool.prefix_hit_rate, "cow_copies": pool.cow_copies, "pinned": st.pinned,
                 "pinned_blocks": st.pinned_blocks, "preemptions": st.preemptions, "sessions": per_session,
-                "last_turn": self.last_stats, "spec": st.spec}
+                "last_turn": self.last_stats, "spec": st.spec,
+                **({"remote": remote} if (remote := self.backend.describe()) is not None else {})}
+
+
+def _messages(path: list[Node], text: str | None = None) -> list[dict]:
+    """The turn as chat messages (what a server without token-id prompts gets): the path's texts, then the
+    new user message."""
+    out = [{"role": n.role, "content": n.text} for n in path]
+    return out + [{"role": "user", "content": text}] if text is not None else out
 
 
 def _node_stats(stats: dict) -> dict:

@@ -87,4 +87,6 @@ def _report(ctl, result) -> dict:
                "prefix_hit_tokens": pool.prefix_hit_tokens},
         "timing": {"ttft_s": stats["ttft_s"], "decode_tokens_per_s": decode, "total_s": stats["total_s"]},
         **({"spec": spec} if (spec := ctl.backend.stats().spec) is not None else {}),
+        # --server: where it ran, the endpoint, whether the history is token-exact, the server's cache
+        **({"remote": remote} if (remote := ctl.backend.describe()) is not None else {}),
     }

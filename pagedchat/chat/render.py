@@ -79,13 +79,21 @@ def _seconds(value) -> str:
 def stats_line(stats: dict, node_ids: list[int] | None = None) -> Text:
     """One dim line after each reply: prompt tokens new vs served from cache, TTFT, tokens/s, KV blocks."""
     parts = [" ".join(f"#{i}" for i in node_ids)] if node_ids else []
-    parts.append(f"prompt {stats.get('prompt_new', 0)} new + {stats.get('prompt_cached', 0)} cached")
+    remote = stats.get("remote")
+    if remote and remote.get("cached_tokens") is None:   # vLLM reports it only with --enable-prompt-tokens-details
+        parts.append(f"prompt {stats.get('prompt_tokens', 0)} (cached: not reported by the server)")
+    else:
+        parts.append(f"prompt {stats.get('prompt_new', 0)} new + {stats.get('prompt_cached', 0)} cached")
     parts.append(f"TTFT {_seconds(stats.get('ttft_s'))}")
     tps = stats.get("tokens_per_s")
     parts.append(f"{tps:.1f} tok/s" if tps else "- tok/s")
     variants = stats.get("variants", 1)
     parts.append(f"{stats.get('completion_tokens', 0)} tok" + (f" ({variants} variants)" if variants > 1 else ""))
-    parts.append(f"KV {stats.get('blocks_used', 0)}/{stats.get('num_blocks', 0)} blocks")
+    if remote:     # the server's own prefix cache did what the pool does locally
+        parts.append(f"server {remote['server']}" + (f" (history {remote['history']})"
+                                                      if remote["history"] != "token-exact" else ""))
+    else:
+        parts.append(f"KV {stats.get('blocks_used', 0)}/{stats.get('num_blocks', 0)} blocks")
     return Text(" · ".join(parts), style="dim")
 
 
@@ -174,6 +182,8 @@ def conversation_view(nodes: list[Node]):
 
 
 def pool_view(stats: dict, current: str | None) -> Group:
+    if stats.get("remote"):
+        return remote_view(stats)
     table = Table(title="KV pool", show_header=False, title_justify="left", box=None, padding=(0, 2))
     table.add_column(style="bold")
     table.add_column()
@@ -199,6 +209,25 @@ def pool_view(stats: dict, current: str | None) -> Group:
         sessions.add_row(name + (" *" if name == current else ""), str(s["nodes"]), str(s["pinned_heads"]),
                          str(s["blocks"]))
     parts = [table, Text(""), sessions]
+    if stats.get("last_turn"):
+        parts += [Text(""), Text("last turn: ", style="bold") + stats_line(stats["last_turn"])]
+    return Group(*parts)
+
+
+def remote_view(stats: dict) -> Group:
+    """/stats with --server: no local pool; the server, its endpoint, how exact the history is, its cache."""
+    remote = stats["remote"]
+    table = Table(title="remote server", show_header=False, title_justify="left", box=None, padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("server", f"{remote['server']} (model {remote['model']})")
+    table.add_row("endpoint", remote["endpoint"])
+    history = ("token-exact: the tree holds the ids the server saw and produced" if remote["history"] == "token-exact"
+               else "text-exact: replies are stored as text (re-encoded locally where a tokenizer is known)")
+    table.add_row("history", history)
+    table.add_row("prefix cache", f"{remote['cached_tokens_total']} of {remote['prompt_tokens_total']} prompt tokens "
+                                  f"served from the server's cache (as its usage reports)")
+    parts = [table]
     if stats.get("last_turn"):
         parts += [Text(""), Text("last turn: ", style="bold") + stats_line(stats["last_turn"])]
     return Group(*parts)

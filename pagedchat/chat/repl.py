@@ -32,8 +32,11 @@ def banner(ctl: ChatController) -> Text:
     state = (f"{counted(s.num_messages, 'message')}, {counted(len(s.tree.leaves()), 'branch', 'branches')}" if s.tree.nodes else "new")
     text = Text()
     text.append("pagedchat", style="bold")
-    text.append(f" · model {ctl.entry.name} · session {s.name} ({state}) · KV pool {pool.num_blocks} blocks × "
-                f"{pool.block_size} tokens · context {ctl.backend.max_model_len}\n", style="dim")
+    remote = ctl.backend.describe()
+    where = (f"server {remote['server']} ({remote['endpoint']})" if remote else
+             f"KV pool {pool.num_blocks} blocks × {pool.block_size} tokens")
+    text.append(f" · model {ctl.entry.name} · session {s.name} ({state}) · {where} · context "
+                f"{ctl.backend.max_model_len}\n", style="dim")
     text.append("/help lists commands · Enter sends, Esc-Enter adds a line · Ctrl-C stops a reply · Ctrl-D exits",
                 style="dim")
     return text
@@ -147,8 +150,9 @@ def _toolbar(ctl: ChatController):
             s, pool = ctl.session, ctl.backend.pool_stats()
             head = f"#{s.head}" if s.head is not None else "new branch"
             context = len(s.tree.path_tokens(s.head))
+            where = "remote" if ctl.backend.describe() else f"KV {pool.used}/{pool.num_blocks} blocks"
             return (f" {s.name} · {ctl.entry.name} · head {head} · ctx {context}/{ctl.backend.max_model_len} · "
-                    f"KV {pool.used}/{pool.num_blocks} blocks · /help ")
+                    f"{where} · /help ")
         except Exception:
             return " pagedchat "
     return toolbar

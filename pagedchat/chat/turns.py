@@ -116,6 +116,37 @@ class Templater:
                 "chat_template_sha256": hashlib.sha256(template.encode()).hexdigest()[:16]}
 
 
+class TextOnlyTemplater:
+    """Templater's stand-in for a remote model with no local tokenizer (--server, chat completions only):
+    the server renders the messages, so nodes keep their text and no token ids. Such a session says so in
+    its fingerprint, and the local engine refuses it (it has no ids to continue from)."""
+
+    end_ids: set = set()
+
+    def __init__(self):
+        self.kwargs: dict = {}
+
+    def takes(self, name: str) -> bool:
+        return False
+
+    def encode(self, text: str) -> list[int]:
+        return []
+
+    def system_tokens(self, text: str) -> list[int]:
+        return []
+
+    def user_turn_tokens(self, path: list[Node], user_text: str) -> list[int]:
+        if path and path[-1].role == "user":
+            raise UserError("the head is a user message that has no reply yet: /regen answers it")
+        return []
+
+    def compacted_turn(self, kept: list[Node], user_text: str) -> tuple[list[int], list[int]]:
+        return [], []
+
+    def fingerprint(self) -> dict:
+        return {"history": "text"}
+
+
 def _common_prefix(a: str, b: str) -> int:
     k = 0
     for x, y in zip(a, b):

@@ -39,5 +39,8 @@ SPECULATE = typer.Option(None, "--speculate", help="Speculative decoding: ngram 
                                                    "history and sibling replies), draft (--draft-model) or off.")
 NUM_DRAFT_TOKENS = typer.Option(None, "--num-draft-tokens", help="Most draft tokens per step (adapted per "
                                                                  "sequence to its acceptance; default 6).")
+SERVER = typer.Option(None, "--server", metavar="URL",
+                      help="An OpenAI-compatible server (pagedchat serve, vLLM, SGLang, llama.cpp) generates; -m "
+                           "names the local model whose tokenizer and template render the prompt.")
 DRAFT_MODEL = typer.Option(None, "--draft-model", help="Smaller model with the same tokenizer that proposes "
                                                        "drafts (models.toml name or folder).")

@@ -55,6 +55,7 @@ def run(
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
+    server: Optional[str] = common.SERVER,
     logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
                                            help="With --json: each output token's logprob and N alternatives."),
     json_schema: Optional[Path] = typer.Option(None, "--json-schema", metavar="FILE",
@@ -62,7 +63,8 @@ def run(
 ) -> None:
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
-                                    num_draft_tokens=num_draft_tokens, draft_model=draft_model)
+                                    num_draft_tokens=num_draft_tokens, draft_model=draft_model,
+                                    server=server)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)
@@ -84,7 +86,8 @@ def run(
         raise typer.Exit(code)
     grammar = _schema_grammar(json_schema)
     jobs = _read_batch(file) if file is not None else [{"prompt": _prompt_text(prompt)}]
-    engine, entry = common.load_engine(model_opts, show_progress=not as_json)
+    remote = _remote(model_opts, logprobs, grammar)
+    engine, entry = remote or common.load_engine(model_opts, show_progress=not as_json)
     default_system = system if system is not None else entry.get("system_prompt").value
     requests = []
     for i, job in enumerate(jobs):
@@ -93,11 +96,76 @@ def run(
         params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, logprobs=logprobs,
                               grammar=grammar, **beam)
         text = job["prompt"]
-        ids = engine.encode(text) if raw else common.chat_prompt_ids(engine, text, job.get("system", default_system))
+        if raw:
+            ids = engine.encode(text)
+        elif engine.tokenizer is None:    # a server whose model has no local tokenizer: chat messages only
+            ids = []
+        else:
+            ids = common.chat_prompt_ids(engine, text, job.get("system", default_system))
         requests.append((ids, params))
-    thinking = None if raw else [_opens_thinking(engine, ids) for ids, _ in requests]
-    code = _generate(engine, entry.name, requests, as_json, batch=file is not None, thinking=thinking)
+    thinking = None if raw or engine.tokenizer is None else [_opens_thinking(engine, ids) for ids, _ in requests]
+    if remote:
+        messages = [_job_messages(job, default_system) for job in jobs]
+        code = _generate_remote(engine, entry.name, requests, messages, as_json, file is not None, thinking)
+    else:
+        code = _generate(engine, entry.name, requests, as_json, batch=file is not None, thinking=thinking)
     raise typer.Exit(code)
+
+
+def _remote(model_opts, logprobs, grammar):
+    """(RemoteBackend, entry) when a server generates (--server, or a kind = "remote" entry); else None.
+    The backend stands in for the engine where a prompt is rendered (tokenizer, encode)."""
+    from pagedchat.chat.remote_backend import is_remote, open_remote
+
+    if not is_remote(model_opts):
+        return None
+    if logprobs is not None or grammar is not None:
+        raise UserError(f"{'--logprobs' if logprobs is not None else '--json-schema'} needs the local engine: "
+                        f"not available with --server")
+    return open_remote(model_opts)
+
+
+def _job_messages(job: dict, default_system) -> list[dict]:
+    system = job.get("system", default_system)
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": job["prompt"]}]
+
+
+def _generate_remote(backend, model_name: str, requests: list, messages: list, as_json: bool, batch: bool,
+                     thinking) -> int:
+    """_generate's twin for a server: the prompts one after another (the server batches across its own
+    clients), streamed, with the same plain and --json output plus a "remote" object."""
+    start = time.perf_counter()
+    stream = not as_json and not batch and requests[0][1].n == 1
+    shown = ReasoningShown(thinking is not None and thinking[0])
+    shown_len = [0]
+
+    def write(index: int, so_far: str) -> None:
+        shown.write(so_far[shown_len[0]:], raw=thinking is None)
+        shown_len[0] = len(so_far)
+
+    outputs, first_token_at, interrupted = [], None, False
+    for (ids, params), turn in zip(requests, messages):
+        done = backend.generate(ids, params, None, write if stream else None, messages=turn)
+        out = done.output
+        outputs.append(out)
+        if first_token_at is None and out.ttft_s is not None:
+            first_token_at = start + out.ttft_s
+        if done.interrupted:
+            interrupted = True
+            break
+    total = time.perf_counter() - start
+    if as_json:
+        report = _json_report(backend, model_name, outputs, batch, start, first_token_at, total, thinking)
+        print(json.dumps({**report, "remote": backend.describe()}))
+    elif stream:
+        shown.close()
+        sys.stdout.write(cut_mark(outputs[0].outputs[0].finish_reason) + "\n")
+    else:
+        _print_plain(outputs, batch, thinking)
+    if interrupted:
+        print("pagedchat: interrupted", file=sys.stderr)
+        return 130
+    return 0
 
 
 def _beam_settings(beams: int, length_penalty: float, early_stopping: str, num_variants: int,

@@ -34,11 +34,11 @@ from pagedchat.engine.outputs import Branch, CompletionOutput, EngineStats, Requ
 from pagedchat.engine.runner import ModelRunner, kv_bytes_per_block
 from pagedchat.engine.sampler import Sampler, variant_generator
 from pagedchat.engine.sampling_params import SamplingParams
-from pagedchat.engine.scheduler import Scheduler
+from pagedchat.engine.scheduler import ScheduledBatch, Scheduler
 from pagedchat.engine.seams import ModelSource, StepRunner
 from pagedchat.engine.sequence import Request, Sequence, SeqStatus
 from pagedchat.engine.window_groups import WindowTables
-from pagedchat.engine.speculative import NgramProposer, Speculator
+from pagedchat.engine.speculative import NgramProposer, Speculator, step_shape
 from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError
 from pagedchat.model.loader import load_model
 
@@ -271,9 +271,26 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """One scheduled batch through the model; its token events. Callers drive it through `steps`."""
-        if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+        if self.speculator is None:
+            return self._step(self.scheduler.schedule())
+        clock = self._step_clock
+        started = clock()  # speculation learns what its steps cost (the batch-aware draft budget)
+        self.speculator.propose(self.scheduler.running, closed=not self.scheduler.waiting)
         batch = self.scheduler.schedule()
+        shape = step_shape(batch)
+        events = self._step(batch)
+        if batch:
+            self.speculator.observe_step(shape, sum(len(e.token_ids) for e in events), clock() - started,
+                                         self.scheduler.running)
+        return events
+
+    @property
+    def _step_clock(self):
+        """On CPU the process's CPU time: the work a step costs, not how long a busy machine made it wait.
+        On a GPU the wall clock (the step ends with the logits on the host)."""
+        return time.process_time if self.device.type == "cpu" else time.perf_counter
+
+    def _step(self, batch: ScheduledBatch) -> list[TokenEvent]:
         events = [self._fail(seq) for seq in batch.failed]
         logits, samplers = self.runner.run(batch) if batch else (None, [])
         self.scheduler.commit(batch)
@@ -281,6 +298,7 @@ class Engine:
         events += [e for seq in batch.failed if seq.request.beam for e in self._end_beam_search(seq.request)]
         if logits is None:
             return events
+        drafted = logits
         logits, samplers, verified = self._split_drafted(logits, samplers)
         now = time.perf_counter()
         if samplers:
@@ -296,11 +314,10 @@ class Engine:
                 if seq.spec is not None:
                     self.speculator.record(seq, 0, 0, 1)
                 events.append(self._append_tokens(seq, [token], now, logprob=logprob))
-        for seq, rows in verified:   # never a logprobs request: those do not speculate
-            if seq.matcher is not None:
-                rows = self.grammars().mask_drafted(rows, seq.draft_ids, seq.matcher)
-            tokens, accepted = self.speculator.verify(seq, rows)
-            events.append(self._append_tokens(seq, tokens, now, accepted))
+        if verified:   # never a logprobs request: those do not speculate
+            drafted = self._mask_drafted(drafted, verified)
+            for (seq, _, _), (tokens, accepted) in zip(verified, self.speculator.verify(drafted, verified)):
+                events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
 
     def _token_logprobs(self, scores: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
@@ -317,9 +334,21 @@ class Engine:
             out[i] = reduced
         return out
 
+    def _mask_drafted(self, logits: torch.Tensor, verified: list[tuple[Sequence, int, int]]) -> torch.Tensor:
+        """The drafted rows of grammar-constrained sequences masked by the grammar (Grammars.mask_drafted)."""
+        constrained = [(seq, first, n) for seq, first, n in verified if seq.matcher is not None]
+        if not constrained:
+            return logits
+        logits = logits.clone()  # the runner's logits are inference tensors: no in-place update on them
+        for seq, first, n in constrained:
+            logits[first:first + n] = self.grammars().mask_drafted(logits[first:first + n], seq.draft_ids,
+                                                                   seq.matcher)
+        return logits
+
     @staticmethod
     def _split_drafted(logits: torch.Tensor, samplers: list[Sequence]):
-        """Separate plain rows (one per sequence) from the 1 + k rows of each sequence with drafts."""
+        """Separate plain rows (one per sequence) from the 1 + k rows of each sequence with drafts
+        (verified: (sequence, first row, rows) into `logits`)."""
         if not any(seq.draft_ids for seq in samplers):
             return logits, samplers, []
         rows, plain, verified, r = [], [], [], 0
@@ -329,8 +358,10 @@ class Engine:
                 rows.append(r)
                 plain.append(seq)
             else:
-                verified.append((seq, logits[r:r + n]))
+                verified.append((seq, r, n))
             r += n
+        if not rows:
+            return logits[:0], plain, verified
         return logits[torch.tensor(rows, dtype=torch.long, device=logits.device)], plain, verified
 
     def _fork_sequence(self, parent: Sequence, request: Request, index: int, computed: int | None = None) -> Sequence:

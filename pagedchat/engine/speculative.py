@@ -11,11 +11,24 @@ prefix cache, never visible to a fork, and whole blocks holding only rejected sl
 Exactness: greedy keeps a draft only while it equals the target's argmax, so the tokens are the plain greedy
 tokens. Sampling uses speculative rejection sampling for a deterministic proposal (every proposer here
 proposes greedily): accept draft x with probability p(x), else draw from p with x removed (renormalized), so
-each token is distributed exactly as the target's p.
+each token is distributed exactly as the target's p. It is done by drawing the token from p exactly as a
+plain step does and keeping the draft while they agree, so a seeded request's tokens do not depend on how
+many drafts a step verified (the budget below depends on timings).
 
 Adaptive k: each sequence keeps a running estimate `alpha` of the chance that a draft token is accepted and
 drafts only as deep as alpha^i stays above TAU (down to 0 = plain decode). While at 0 the n-gram proposer
 keeps guessing in the shadow (free), so a sequence that starts repeating text gets drafts again.
+
+Batch-aware budget: whether drafts pay depends on the hardware, the batch and the text. At batch 1 a forward
+costs about the same for 1 or 8 positions (memory- or overhead-bound); at batch 16 on a CPU it is
+compute-bound and every verified position costs real time. `DraftBudget` measures it instead of guessing:
+per batch-size class it keeps the tokens per second that steps with drafts (up to the full k) and plain
+decode steps really delivered, timed end to end with proposing and verifying, and runs the better one,
+re-running the other now and then as its measurement fades. So batch 16 on a CPU backs off to plain
+decode where drafts do not pay, and batch 1 keeps long drafts. And when nothing waits to be admitted, the
+batch lasts as long as its sequence with the most tokens left: a sequence more than one step's drafts ahead of
+it decodes plainly (its drafts would shorten nothing and cost the step), so the batch stays full to the end
+instead of thinning into small, costly steps.
 """
 
 from __future__ import annotations
@@ -31,8 +44,11 @@ MAX_N = 4            # longest n-gram looked up (then shorter ones)
 MAX_MATCH = 64       # how far back two matches are compared to pick the better stream
 ALPHA_START = 0.7    # a new sequence starts optimistic: its first drafts decide
 ALPHA_RATE = 0.15    # weight of each new accept/reject event in the running estimate
-TAU = 0.3            # draft position i is worth verifying while alpha ** i >= TAU
+TAU = 0.1            # draft position i is worth asking for while alpha ** i >= TAU (and the step's cap)
 PROBE_EVERY = 16     # steps between one-token probes of a proposer that cannot guess in the shadow
+BUDGET_DECAY = 0.99  # per step of a batch-size class, the weight of its earlier measurements falls by this
+EXPLORE_WEIGHT = 2.0  # a cap whose decayed weight falls under this is run again: at least two steps'
+                      # worth of measurement (one step's time is noisy), renewed every 70 steps or more
 
 
 @dataclass
@@ -115,10 +131,25 @@ class NgramProposer:
                 if c is not None:
                     length = _match_length(tokens, stream, c)
                     if length > best_len:
-                        best, best_len = stream[c:c + k], length
+                        best, best_len = _continuation(stream, c, k, stream is tokens), length
             if best:
-                return list(best)
+                return best
         return []
+
+
+def _continuation(stream: list[int], c: int, k: int, own: bool) -> list[int]:
+    """The k tokens that followed position c. In the sequence's own stream a recent match leaves fewer than k
+    before the end; the text is then taken to repeat with the period the match implies (len - c), as a
+    looping reply does: an overlapping copy."""
+    if not own or len(stream) - c >= k:
+        return stream[c:c + k]
+    period = stream[c:]
+    return [period[i % len(period)] for i in range(k)]
+
+
+def _tokens_left(seq: Sequence, max_model_len: int) -> int:
+    """Most tokens the sequence may still add (max_tokens, the context)."""
+    return min(seq.request.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
 
 
 def _match_length(tokens: list[int], stream: list[int], c: int) -> int:
@@ -129,6 +160,58 @@ def _match_length(tokens: list[int], stream: list[int], c: int) -> int:
     return n
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a scheduled step holds, for the budget's measurements."""
+    decodes: int      # sequences adding one token of their own (drafting or not)
+    drafts: int       # draft tokens verified
+    other: int        # every other scheduled token (prefill chunks)
+
+
+def step_shape(batch) -> StepShape:
+    """The StepShape of a scheduled batch (taken before the step: drafts are cleared once verified)."""
+    decodes = drafts = other = 0
+    for seq, n in batch.items:
+        k = len(seq.draft_ids)
+        if n - k == 1 and seq.num_computed == seq.num_tokens - 1:
+            decodes, drafts = decodes + 1, drafts + k
+        else:
+            other += n
+    return StepShape(decodes, drafts, other)
+
+
+class DraftBudget:
+    """The draft cap of each step, chosen by measurement. Per batch-size class (the number of decoding
+    sequences, by powers of two) and per cap (the full k, or 0 = plain decode): exponentially weighted sums of
+    the tokens the step emitted and the seconds it took. A step runs the cap with the best tokens per second;
+    a cap not measured lately (weight under EXPLORE_WEIGHT, scaled down by how far it lost) runs instead, so a
+    change in the text or the batch is noticed. The clock is the engine's (CPU time on a CPU)."""
+
+    def __init__(self, max_k: int):
+        self.caps = [max_k, 0]
+        self.sums: dict[int, list[list[float]]] = {}  # class -> per cap [weight, tokens, seconds]
+
+    def choose(self, decodes: int) -> int:
+        arms = self.sums.setdefault(decodes.bit_length(), [[0.0, 0.0, 0.0] for _ in self.caps])
+        for cap, (weight, _, _) in zip(self.caps, arms):
+            if weight < EXPLORE_WEIGHT:
+                return cap  # not measured yet
+        rates = [tokens / max(seconds, 1e-12) for _, tokens, seconds in arms]
+        best = max(rates)
+        for cap, (weight, _, _), rate in zip(self.caps, arms, rates):
+            # a cap that lost by far is measured again less often (its weight must fade further)
+            if weight < EXPLORE_WEIGHT * (rate / best) ** 2:
+                return cap
+        return self.caps[rates.index(best)]
+
+    def observe(self, decodes: int, cap: int, tokens: int, seconds: float) -> None:
+        arms = self.sums.setdefault(decodes.bit_length(), [[0.0, 0.0, 0.0] for _ in self.caps])
+        for arm in arms:
+            arm[:] = [x * BUDGET_DECAY for x in arm]
+        arm = arms[self.caps.index(cap)]
+        arm[0], arm[1], arm[2] = arm[0] + 1.0, arm[1] + tokens, arm[2] + seconds
+
+
 class Speculator:
     """Chooses how many tokens each sequence drafts, asks the proposer, verifies the target's logits."""
 
@@ -137,9 +220,19 @@ class Speculator:
         self.max_k = num_draft_tokens
         self.max_model_len = max_model_len
         self.stats = SpecStats(method)
+        self.budget: DraftBudget | None = DraftBudget(num_draft_tokens)  # None: always the full k (tests)
+        self._cap = num_draft_tokens  # this step's draft cap
+        self._untimed = False  # this step did one-off work: its time would mislead the budget
+        self._most_left: int | None = None  # a closed batch: the most tokens any sequence had left
 
     # -- before the step ------------------------------------------------------------------------------------
-    def propose(self, running: list[Sequence]) -> None:
+    def propose(self, running: list[Sequence], closed: bool = False) -> None:
+        """Drafts for this step. closed: no request is waiting, so the run lasts as long as its sequence with
+        the most tokens left, and only the sequences within one step's drafts of it draft."""
+        decodes = sum(seq.num_computed == seq.num_tokens - 1 for seq in running)
+        self._cap = self.budget.choose(decodes) if self.budget is not None and decodes else self.max_k
+        most_left = max((_tokens_left(s, self.max_model_len) for s in running), default=0) if closed else 0
+        self._most_left = most_left if closed else None
         seqs, ks = [], []
         for seq in running:
             seq.draft_ids = []
@@ -147,9 +240,11 @@ class Speculator:
                 continue
             if seq.spec is None:
                 seq.spec = SpecState(seq)
+                self._untimed = True  # indexing its context streams is a one-off, no step's usual cost
             self._check_shadow(seq)
             seqs.append(seq)
-            ks.append(self._depth(seq))
+            lagging = _tokens_left(seq, self.max_model_len) + self._cap >= most_left
+            ks.append(min(self._depth(seq), self._cap if lagging or self.budget is None else 0))
         if not seqs:
             return
         shadow = self.proposer.can_shadow
@@ -163,6 +258,17 @@ class Speculator:
             elif draft:
                 seq.spec.shadow = (seq.num_tokens, draft[0])
 
+    def observe_step(self, shape: StepShape, tokens: int, seconds: float, running: list[Sequence]) -> None:
+        """A step ran: `tokens` emitted in `seconds`; `running` is what still runs. Only steps of decodes
+        alone measure a cap. In a closed batch what a step is worth is how much it brought the end of the run
+        closer: `decodes` tokens per token that the most tokens left shrank by (a plain step: its tokens)."""
+        if self.budget is not None and not self._untimed and not shape.other and shape.decodes:
+            if self._most_left is not None:
+                after = max((_tokens_left(s, self.max_model_len) for s in running), default=0)
+                tokens = shape.decodes * max(self._most_left - after, 0)
+            self.budget.observe(shape.decodes, self._cap if shape.drafts else 0, tokens, seconds)
+        self._untimed = False
+
     def _ready(self, seq: Sequence) -> bool:
         """Decoding (its whole context computed but the last token), and nothing that depends on the
         tokens before each position (a repetition penalty would differ per drafted position)."""
@@ -175,9 +281,8 @@ class Speculator:
                 and params.logprobs is None)
 
     def _depth(self, seq: Sequence) -> int:
-        params = seq.request.params
         # the bonus token must fit too: a draft past max_tokens or the context would only be thrown away
-        room = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        room = _tokens_left(seq, self.max_model_len) - 1
         k = seq.spec.depth(min(self.max_k, max(room, 0)))
         if k == 0 and room > 0 and not self.proposer.can_shadow:
             seq.spec.idle_steps += 1
@@ -191,17 +296,33 @@ class Speculator:
             seq.spec.observe(seq.token_ids[shadow[0]] == shadow[1])
 
     # -- after the forward ----------------------------------------------------------------------------------
-    def verify(self, seq: Sequence, logits: torch.Tensor) -> tuple[list[int], int]:
-        """(tokens to append, how many of them are accepted drafts); logits has 1 + len(drafts) rows."""
-        drafts = seq.draft_ids
-        assert logits.shape[0] == len(drafts) + 1
-        if seq.request.params.greedy:
-            tokens, accepted = _accept_greedy(logits, drafts)
-        else:
-            tokens, accepted = _accept_sampled(Sampler.probabilities(logits.float(), [seq] * logits.shape[0]),
-                                               drafts, seq)
-        self.record(seq, len(drafts), accepted, len(tokens))
-        return tokens, accepted
+    def verify(self, logits: torch.Tensor, verified: list[tuple[Sequence, int, int]]) -> list[tuple[list[int], int]]:
+        """Per (sequence, first row, rows) with rows == 1 + len(drafts) in `logits`: (tokens to append, how
+        many of them are accepted drafts). One argmax for every greedy row and one distribution for every
+        sampled row of the step, not one per sequence."""
+        assert all(n == len(seq.draft_ids) + 1 for seq, _, n in verified)
+        greedy = [v for v in verified if v[0].request.params.greedy]
+        sampled = [v for v in verified if not v[0].request.params.greedy]
+        results = {}
+        if greedy:
+            targets = logits[_rows(greedy, logits.device)].argmax(dim=-1).tolist()
+            r = 0
+            for seq, _, n in greedy:
+                results[seq.seq_id] = _accept_greedy(targets[r:r + n], seq.draft_ids)
+                r += n
+        if sampled:
+            seqs = [seq for seq, _, n in sampled for _ in range(n)]
+            probs = Sampler.probabilities(logits[_rows(sampled, logits.device)].float(), seqs)
+            r = 0
+            for seq, _, n in sampled:
+                results[seq.seq_id] = _accept_sampled(probs[r:r + n], seq.draft_ids, seq)
+                r += n
+        out = []
+        for seq, _, _ in verified:
+            tokens, accepted = results[seq.seq_id]
+            self.record(seq, len(seq.draft_ids), accepted, len(tokens))
+            out.append((tokens, accepted))
+        return out
 
     def record(self, seq: Sequence, proposed: int, accepted: int, emitted: int) -> None:
         stats = self.stats
@@ -214,8 +335,12 @@ class Speculator:
                 seq.spec.observe(i < accepted)
 
 
-def _accept_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], int]:
-    target = logits.argmax(dim=-1).tolist()
+def _rows(verified: list[tuple[Sequence, int, int]], device) -> torch.Tensor:
+    return torch.tensor([r for _, first, n in verified for r in range(first, first + n)], device=device)
+
+
+def _accept_greedy(target: list[int], drafts: list[int]) -> tuple[list[int], int]:
+    """Keep drafts while they equal the target's argmax, then the target's own next token."""
     a = 0
     while a < len(drafts) and drafts[a] == target[a]:
         a += 1
@@ -223,12 +348,13 @@ def _accept_greedy(logits: torch.Tensor, drafts: list[int]) -> tuple[list[int], 
 
 
 def _accept_sampled(probs: torch.Tensor, drafts: list[int], seq: Sequence) -> tuple[list[int], int]:
-    """Rejection sampling for a point-mass proposal: keep x with probability p(x); on rejection draw from p
-    without x. The uniforms and the draws come from the sequence's own generator when it is seeded."""
-    uniforms = torch.rand(len(drafts), generator=seq.generator, device=probs.device).tolist() if drafts else []
-    for a, (x, u) in enumerate(zip(drafts, uniforms)):
-        if u >= probs[a, x].item():
-            residual = probs[a:a + 1].clone()
-            residual[0, x] = 0.0
-            return drafts[:a] + [int(exponential_race(residual, [seq])[0])], a
+    """Each position draws its token y from p as a plain step would (the exponential race: one noise vector
+    per emitted token, from the sequence's own generator when it is seeded) and keeps the draft x while y == x.
+    So x is kept with probability p(x), and a rejection yields y ~ p without x (renormalized): speculative
+    rejection sampling for a point-mass proposal. And because the noise is drawn per emitted token, a seeded
+    sequence gets the very tokens plain decoding draws, whichever drafts the step budget kept."""
+    for a, x in enumerate(drafts):
+        y = int(exponential_race(probs[a:a + 1], [seq])[0])
+        if y != x:
+            return drafts[:a] + [y], a
     return drafts + [int(exponential_race(probs[-1:], [seq])[0])], len(drafts)

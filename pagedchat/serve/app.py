@@ -76,7 +76,9 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
                                 f"`{settings.model_name}`.", param="model", code="model_not_found")
 
     def model_card() -> dict:
-        return {"id": settings.model_name, "object": "model", "created": started, "owned_by": "pagedchat"}
+        # max_model_len as vLLM's cards have it: a client rendering prompts itself (--server) sizes turns by it
+        return {"id": settings.model_name, "object": "model", "created": started, "owned_by": "pagedchat",
+                "max_model_len": aengine.engine.max_model_len}
 
     # -- plain endpoints ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -149,7 +151,8 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         group = await _submit(aengine, [prompt_ids], params, "messages")
         reply = _Reply("chatcmpl", settings.model_name, body.n, chat=True, text=TokenText(tokenizer),
                        top_logprobs=top, tool_family=family if offered else None,
-                       parallel_tool_calls=body.parallel_tool_calls is not False)
+                       parallel_tool_calls=body.parallel_tool_calls is not False,
+                       token_ids=bool(body.return_token_ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _EventStream(reply.stream(group, include_usage), group)
@@ -179,7 +182,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         prompt_texts = [p if isinstance(p, str) else text.tokenizer.decode(p) for p in prompts] \
             if body.echo or body.logprobs is not None else None
         reply = _Reply("cmpl", settings.model_name, body.n, chat=False, text=text, prompt_texts=prompt_texts,
-                       echo=bool(body.echo))
+                       echo=bool(body.echo), token_ids=bool(body.return_token_ids))
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return _EventStream(reply.stream(group, include_usage), group)
@@ -335,7 +338,7 @@ class _Reply:
 
     def __init__(self, prefix: str, model: str, n: int, chat: bool, text: TokenText | None = None,
                  top_logprobs: int = 0, prompt_texts: list[str] | None = None, echo: bool = False,
-                 tool_family: str | None = None, parallel_tool_calls: bool = True):
+                 tool_family: str | None = None, parallel_tool_calls: bool = True, token_ids: bool = False):
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model, self.n, self.chat = model, n, chat
@@ -343,9 +346,16 @@ class _Reply:
         self.text, self.top_logprobs = text, top_logprobs
         self.prompt_texts, self.echo = prompt_texts, echo
         self.tool_family, self.parallel_tool_calls = tool_family, parallel_tool_calls
+        self.token_ids = token_ids       # return_token_ids: every choice (chunk) carries its generated ids
 
     def _choice(self, index: int, text: str | None, finish_reason: str | None, delta: bool = False,
-                logprobs: dict | None = None, tool_calls: list[dict] | None = None) -> dict:
+                logprobs: dict | None = None, tool_calls: list[dict] | None = None, ids: list[int] | None = None) -> dict:
+        choice = self._choice_body(index, text, finish_reason, delta, logprobs, tool_calls)
+        if self.token_ids and ids is not None:
+            choice["token_ids"] = list(ids)
+        return choice
+
+    def _choice_body(self, index, text, finish_reason, delta, logprobs, tool_calls) -> dict:
         if not self.chat:
             return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if delta:
@@ -394,7 +404,7 @@ class _Reply:
                 text, calls = self._tool_calls(text) if self.chat else (text, [])
                 finish = "tool_calls" if calls else _finish(c.finish_reason)
                 choices.append(self._choice(slot * self.n + c.index, text, finish, logprobs=logprobs,
-                                            tool_calls=[call.openai() for call in calls]))
+                                            tool_calls=[call.openai() for call in calls], ids=c.token_ids))
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": _usage(outputs), "system_fingerprint": None}
 
@@ -439,8 +449,9 @@ class _Reply:
                         calling.add(index)
                     text, held[index] = text[:cut], text[cut:]
                     sent[index] = sent.get(index, "") + text
-                if text or logprobs is not None:
-                    yield self._chunk([self._choice(index, text, None, delta=True, logprobs=logprobs)])
+                ids = event.token_ids if self.token_ids else None
+                if text or logprobs is not None or ids:
+                    yield self._chunk([self._choice(index, text, None, delta=True, logprobs=logprobs, ids=ids)])
                 if index in calling:
                     stream = streams.setdefault(index, tools.CallStream(self.parallel_tool_calls))
                     deltas = stream.feed(held[index])

@@ -67,6 +67,9 @@ class _GenerationRequest(BaseModel):
     # pagedchat extension: a prompt over the context is a 400 context_length_exceeded unless the request
     # opts in to drop-oldest (chat: the oldest non-system messages go; text: the prompt keeps its end)
     context_overflow: Optional[Literal["stop", "drop-oldest"]] = None
+    # vLLM's extension: each choice (each streamed chunk) also carries the generated token ids, so a client
+    # that renders prompts itself (pagedchat chat/run --server) keeps its history token-exact
+    return_token_ids: Optional[bool] = None
 
 
 class ChatMessage(BaseModel):
