@@ -61,7 +61,7 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     if plan.max_len == 0:
         return _into(out, torch.zeros_like(q))
     acc = compute_dtype(q.dtype)
-    k, v = gather_kv(k_cache, plan.table, plan.max_len), gather_kv(v_cache, plan.table, plan.max_len)
+    k, v = plan.gather(k_cache), plan.gather(v_cache)  # [B, L, Hkv, D]
     if plan.hidden is not None:  # [B, L, 1, 1]: padding slots of the shorter sequences
         _zero_hidden(k, v, plan)
     o = F.scaled_dot_product_attention(q.to(acc).unsqueeze(2), _heads_major(k, acc), _heads_major(v, acc),
@@ -93,7 +93,14 @@ class _DecodePlan:
             self.mask = _additive(visible[:, None, None, :])
             if min(lens) == 0:
                 self.empty_rows = torch.tensor(lens, device=device) == 0
-        self.table = table
+        # Every (sequence, position) -> its pool slot: one index_select per cache gathers the whole batch.
+        offsets = torch.arange(block_size, device=device)
+        self.slots = (table[:, :, None] * block_size + offsets).flatten(1)[:, :self.max_len].reshape(-1)
+        self.shape = (table.shape[0], self.max_len)
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """[B, max_len, Hkv, D]: the plan's slots of `cache` (same values as gather_kv over the table)."""
+        return _flat_slots(cache).index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
 
     def matches(self, block_tables, seq_lens, lens, block_size, device) -> bool:
         tables, lengths, *rest = self.key

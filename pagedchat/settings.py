@@ -28,6 +28,7 @@ class ModelOptions:
     speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
     num_draft_tokens: Optional[int] = None
     draft_model: Optional[str] = None
+    quantize: Optional[str] = None         # int8 | none (None: models.toml, else none)
     server: Optional[str] = None    # chat/run: an OpenAI-compatible server generates (chat/remote_backend.py)
 
 
@@ -65,10 +66,15 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
         config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                               kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
                               kv_allocation=opts.kv_allocation, chat_template=template,
-                              **speculation_settings(opts, entry))
+                              quantize=quantize_setting(opts, entry), **speculation_settings(opts, entry))
         return Engine(config, show_progress=show_progress), entry
     except SettingError as e:
         raise UserError(cli_words(e)) from None
+
+
+def quantize_setting(opts: ModelOptions, entry) -> str | None:
+    """--quantize over the models.toml key ("none" turns off a quantize that [defaults] sets)."""
+    return opts.quantize if opts.quantize is not None else entry.get("quantize", None).value
 
 
 def speculation_settings(opts: ModelOptions, entry) -> dict:
@@ -143,7 +149,7 @@ def _strings(stop) -> list:
 # EngineConfig setting -> the flag that sets it (run, chat and serve share them: commands/common.py)
 _FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_memory": "--kv-memory",
           "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation", "speculate": "--speculate",
-          "num_draft_tokens": "--num-draft-tokens"}
+          "num_draft_tokens": "--num-draft-tokens", "quantize": "--quantize"}
 
 
 OVERFLOW_POLICIES = ("stop", "drop-oldest")   # what a conversation that outgrows the context does

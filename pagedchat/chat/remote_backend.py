@@ -231,6 +231,8 @@ def open_remote(opts, show_progress: bool = True):
     from pagedchat.registry import Registry
     from pagedchat.remote import ServerConfig
 
+    if getattr(opts, "quantize", None) not in (None, "none"):
+        raise UserError("--quantize quantizes the local engine's weights: not available with --server")
     registry = Registry()
     entry = registry.resolve(opts.model) if opts.model else None
     table = entry.table if entry is not None else {}

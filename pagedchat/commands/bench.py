@@ -367,7 +367,7 @@ def _batch1_rows(path, threads: Optional[int], repeats: int, peer: Optional[str]
     if peer not in (None, "llama.cpp"):
         raise UserError(f"--peer must be llama.cpp, got {peer!r}")
     count = _threads(threads, "cpu") or 1
-    rows = run_batch1_bench(path, count, repeats=repeats, peer=peer, seed=seed)
+    rows = run_batch1_bench(path, count, repeats=repeats, peer=peer, quantize="int8", seed=seed)
     rows["startup"] = startup_times(count, max(3, repeats))
     return rows
 

@@ -21,6 +21,9 @@ DTYPE = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fl
 BLOCK_SIZE = typer.Option(16, "--block-size", help="Tokens per KV block (8..128, power of two).")
 KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool size: bytes, 256KiB/512MiB/4GiB, or 40% of free memory "
                                                    "(default: 90% of free GPU memory, 512MiB on CPU).")
+QUANTIZE = typer.Option(None, "--quantize", help="int8: weight-only int8 linear layers (per-channel scales, "
+                                                 "quantized at load from the fp checkpoint); none: off "
+                                                 "(default: the models.toml quantize key, else none).")
 MAX_CONTEXT = typer.Option(None, "--max-context", help="Cap the context length (tokens).")
 SYSTEM = typer.Option(None, "--system", help="System prompt (chat template path).")
 TEMPERATURE = typer.Option(None, "--temperature", "-t", help="0 = greedy.")

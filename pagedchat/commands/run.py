@@ -55,6 +55,7 @@ def run(
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
+    quantize: Optional[str] = common.QUANTIZE,
     server: Optional[str] = common.SERVER,
     logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
                                            help="With --json: each output token's logprob and N alternatives."),
@@ -64,7 +65,7 @@ def run(
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
                                     num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                                    server=server)
+                                    server=server, quantize=quantize)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)

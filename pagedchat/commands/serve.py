@@ -37,11 +37,13 @@ def serve(
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
     context_overflow: Optional[str] = common.CONTEXT_OVERFLOW,
+    quantize: Optional[str] = common.QUANTIZE,
 ) -> None:
     from pagedchat.serve.server import run_server
 
     common.check_overflow(context_overflow, "--context-overflow")
     opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size, kv_memory=kv_memory,
                                max_context=max_context, kv_allocation=kv_allocation,
-                               speculate=speculate, num_draft_tokens=num_draft_tokens, draft_model=draft_model)
+                               speculate=speculate, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
+                               quantize=quantize)
     run_server(opts, host, port, api_key, served_model_name, verbose, context_overflow)

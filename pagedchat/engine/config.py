@@ -58,6 +58,7 @@ class EngineConfig:
     speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/speculative.py)
     num_draft_tokens: int = 6       # most tokens proposed per sequence and step (adapted per sequence)
     draft_model: str | None = None  # a smaller model with the same tokenizer (speculate="draft")
+    quantize: str | None = None     # None/"none" | "int8": weight-only, per-channel scales, from the fp checkpoint
 
     def __post_init__(self):
         if isinstance(self.kv_memory, str) and self.kv_memory.strip().endswith("%"):
@@ -77,6 +78,10 @@ class EngineConfig:
         if self.kv_allocation == "reserved":
             # A contiguous per-request region cannot hold another request's blocks: no prefix sharing.
             self.enable_prefix_cache = False
+        if self.quantize == "none":
+            self.quantize = None
+        if self.quantize not in (None, "int8"):
+            raise SettingError("quantize", f"{{name}} must be int8 or none, got {self.quantize!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")
         self._check_speculation()

@@ -53,7 +53,7 @@ class Engine:
         self.config = config
         self.loaded = loaded or load_model(config.model, config.device, config.dtype, config.max_model_len,
                                            trust_remote_code=config.trust_remote_code, show_progress=show_progress,
-                                           chat_template=config.chat_template)
+                                           chat_template=config.chat_template, quantize=config.quantize)
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = set(self.loaded.eos_token_ids)
         self.max_model_len = self.loaded.max_model_len

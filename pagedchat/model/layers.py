@@ -30,7 +30,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 and cast back before the weight, exactly as HF does (matters in bf16).
-        # torch.rms_norm is the same arithmetic (bit for bit in fp32) in one call instead of six.
+        # torch.rms_norm is the same arithmetic (bit for bit in fp32) in one call instead of six; in fp32
+        # the weight goes in too (x * rstd, then * weight: the same two roundings).
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 

@@ -261,7 +261,8 @@ class _progress:
 
 def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model_len: int | None = None,
                revision: str | None = None, trust_remote_code: bool = False,
-               show_progress: bool = True, chat_template: str | None = None) -> LoadedModel:
+               show_progress: bool = True, chat_template: str | None = None,
+               quantize: str | None = None) -> LoadedModel:
     model_dir = find_model_dir(source, revision)
     files = weight_files(model_dir)
     config = load_config(model_dir, trust_remote_code)
@@ -281,6 +282,10 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model
     model = family.build(config, spec, limit, dev, torch_dtype)
     model.tie_weights()
     load_weights(model, files, show_progress)
+    if quantize is not None:
+        from pagedchat.model.quantize import quantize_model
+
+        quantize_model(model, quantize)
     model.eval().requires_grad_(False)
     return LoadedModel(model_dir, config, spec, model, tokenizer, eos_ids(model_dir, config, tokenizer),
                        limit, torch_dtype, dev)

@@ -42,6 +42,8 @@ class MoESpec:
 
 
 class SparseMoE(nn.Module):
+    unquantized = ("gate",)  # --quantize int8 keeps the router in fp: a small error flips top-k choices
+
     def __init__(self, hidden_size: int, moe: MoESpec):
         super().__init__()
         self.moe = moe
