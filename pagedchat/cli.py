@@ -42,7 +42,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_print_versi
 
 
 # Modules that define sub-commands; each has `register(app)`. Heavy imports stay inside the commands.
-COMMAND_MODULES = ["run", "chat", "sessions", "models", "serve", "bench"]
+COMMAND_MODULES = ["run", "chat", "sessions", "models", "serve", "bench", "cache"]
 
 
 def _register_commands() -> None:

@@ -26,7 +26,14 @@ class RemoteError(UserError):
         self.status, self.refused_prompt = status, refused_prompt
 
 
-class StreamDropped(RemoteError):
+class ReplyFailed(RemoteError):
+    """The reply had started and failed on the server's side: exit 1, as a failed reply does locally (2 is
+    for what the user can fix: the URL, the key, the model name)."""
+
+    exit_code = 1
+
+
+class StreamDropped(ReplyFailed):
     """The server closed the stream before the reply ended (it died, restarted, or a proxy cut it)."""
 
 
@@ -104,7 +111,7 @@ class Server:
                         return
                     chunk = _json_or_none(data)
                     if isinstance(chunk, dict) and chunk.get("error"):
-                        raise RemoteError(f"the server at {self.url} failed mid-reply: {_error_text(chunk)}")
+                        raise ReplyFailed(f"the server at {self.url} failed mid-reply: {_error_text(chunk)}")
                     if isinstance(chunk, dict):
                         yield chunk
         except httpx.HTTPError as e:

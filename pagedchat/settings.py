@@ -30,6 +30,13 @@ class ModelOptions:
     draft_model: Optional[str] = None
     quantize: Optional[str] = None         # int8 | none (None: models.toml, else none)
     server: Optional[str] = None    # chat/run: an OpenAI-compatible server generates (chat/remote_backend.py)
+    kv_disk: Optional[str] = None   # None = DEFAULT_KV_DISK; "0" = no disk tier
+    kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier
+
+
+# KV that outlives a block's eviction and the process (see pagedchat/engine/kv_tiers.py)
+DEFAULT_KV_DISK = "2GiB"
+DEFAULT_KV_RAM = "512MiB"
 
 
 @dataclass
@@ -66,10 +73,20 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
         config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                               kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
                               kv_allocation=opts.kv_allocation, chat_template=template,
+                              kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
+                              kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM,
                               quantize=quantize_setting(opts, entry), **speculation_settings(opts, entry))
         return Engine(config, show_progress=show_progress), entry
     except SettingError as e:
         raise UserError(cli_words(e)) from None
+
+
+def kv_report(pool) -> dict:
+    """The `--json` "kv" object. prefix_hit_tokens counts every reused prompt token; ram_hit_tokens and
+    disk_hit_tokens say how many of them were loaded back from the RAM and disk tiers."""
+    return {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
+            "prefix_hit_tokens": pool.prefix_hit_tokens, "ram_hit_tokens": pool.ram_hit_tokens,
+            "disk_hit_tokens": pool.disk_hit_tokens}
 
 
 def quantize_setting(opts: ModelOptions, entry) -> str | None:

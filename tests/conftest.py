@@ -22,11 +22,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def xdg_cache_for_the_session(tmp_path_factory):
+    """Engines built by module- and session-scoped fixtures (before `xdg_home` runs) keep their disk KV
+    tier in a temporary folder too, never in the user's ~/.cache."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("session-cache")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(autouse=True)
 def xdg_home(tmp_path, monkeypatch):
-    """Every test gets its own config and data folders: none reads or writes the real user's."""
+    """Every test gets its own config, data and cache folders: none reads or writes the real user's (the
+    cache holds the disk KV tier)."""
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     return tmp_path
 
 

@@ -44,6 +44,16 @@ class ContentRunner:
             return None, []
         return self.table[torch.tensor(rows)], samplers
 
+    # the tiers' view of a block: its token ids, -1 where nothing was written
+    block_payload_shape = property(lambda self: (self.block_size,))
+
+    def read_blocks(self, blocks):
+        return torch.tensor([[-1 if t is None else t for t in self.content[b]] for b in blocks], dtype=torch.int64)
+
+    def write_blocks(self, blocks, payloads):
+        for b, row in zip(blocks, payloads):
+            self.content[b] = [None if t < 0 else t for t in row.tolist()]
+
     def check_sequence(self, seq) -> None:
         for p in range(seq.num_computed):
             got = self.content[seq.block_table[p // self.block_size]][p % self.block_size]
@@ -66,11 +76,24 @@ class ContentRunner:
                 assert got == seq.token_ids[p], f"{seq}: window slot of token {p} holds {got}"
 
 
-def fake_engine(num_blocks=32, block_size=8, vocab=24, max_model_len=256, window_groups=None,
+def fake_tiers(runner: ContentRunner, ram_bytes: int, disk_dir=None, disk_bytes: int = 1 << 20):
+    """RAM and disk tiers over the fake runner's blocks (their payload is the token ids they hold)."""
+    from pagedchat.engine.kv_disk import DiskTier
+    from pagedchat.engine.kv_ram import RamTier
+    from pagedchat.engine.kv_tiers import KVTiers
+
+    disk = None
+    if disk_dir is not None:
+        disk = DiskTier(disk_dir, "fake", disk_bytes, runner.block_payload_shape, torch.int64, warn=print)
+    return KVTiers(runner, RamTier(ram_bytes) if ram_bytes else None, disk)
+
+
+def fake_engine(num_blocks=32, block_size=8, vocab=24, max_model_len=256, window_groups=None, tiers=None,
                 **config) -> tuple[Engine, ContentRunner]:
+    """`tiers`: fake_tiers keyword arguments (ram_bytes, disk_dir, ...) to put RAM/disk tiers under the pool."""
     loaded = NoModel(max_model_len=max_model_len, vocab_size=vocab, eos_token_ids=[EOS], path="fake")
     runner = ContentRunner(num_blocks, block_size, vocab, window_groups)
     engine = Engine(EngineConfig(model="fake", block_size=block_size, num_blocks=num_blocks, **config),
-                    loaded=loaded, runner=runner)
+                    loaded=loaded, runner=runner, tiers=fake_tiers(runner, **tiers) if tiers else None)
     runner.pool = engine.pool
     return engine, runner

@@ -1,23 +1,31 @@
 """Random interleavings of add, fork, step, abort, finish, preempt, pin, session switch, evict and release
-over the real engine (model-free runner). After every rule: refcounts equal table references, free + used =
-total, no block both free and referenced, no write into a shared block (the runner asserts it), every
-computed token's KV in the right slot, waiting sequences hold no blocks; `finish` drains the engine within a
-bounded number of steps (a full pool never hangs); and when everything is aborted and released, the pool is
-all free again. The same program runs on the up-front reservation mode (kv_allocation="reserved", the peer
-of `bench serve`), where every admitted request also holds the blocks of its whole reply.
+over the real engine (model-free runner); in some programs with RAM and disk tiers under the pool, plus
+process restarts (a new engine on the same disk folder), corrupted block files and a dropped RAM tier.
+After every rule: refcounts equal table references, free + used = total, no block both free and
+referenced, no write into a shared block (the runner asserts it), every computed token's KV in the right
+slot (blocks loaded back from RAM or disk included), waiting sequences hold no blocks; `finish` drains the
+engine within a bounded number of steps (a full pool never hangs); and when everything is aborted and
+released, the pool is all free again. The same program runs on the up-front reservation mode
+(kv_allocation="reserved", the peer of `bench serve`), where every admitted request also holds the blocks
+of its whole reply.
 
 CI runs EXAMPLES x STEPS (100 x 100) programs and asserts that they took at least 10,000 engine steps; a
 nightly-style run raises PAGEDCHAT_FUZZ_EXAMPLES / PAGEDCHAT_FUZZ_STEPS."""
 
 import os
+import shutil
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 from fake_runner import fake_engine
 from pagedchat.engine import SamplingParams
+from pagedchat.engine.kv_disk import block_files
 from pagedchat.engine.sequence import SeqStatus
 from pagedchat.errors import RequestError
 
@@ -41,12 +49,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.engine, self.runner = fake_engine(num_blocks=self.NUM_BLOCKS, block_size=8, max_num_batched_tokens=16,
-                                               kv_allocation=self.KV_ALLOCATION, window_groups=self.WINDOW_GROUPS,
-                                               **self.ENGINE)
+        self.tiers = None            # fake_engine's tier settings, when this program has tiers
+        self._start_engine()
         self.request_ids: list[str] = []
         self.fork_ids: set[str] = set()   # engine.fork children grow from their parent's table, not reserved
         self.heads: list = []        # every handle ever pinned: a chat session keeps them even once evicted
+
+    def _start_engine(self):
+        self.engine, self.runner = fake_engine(num_blocks=self.NUM_BLOCKS, block_size=8, max_num_batched_tokens=16,
+                                               kv_allocation=self.KV_ALLOCATION, window_groups=self.WINDOW_GROUPS,
+                                               tiers=self.tiers, **self.ENGINE)
         scheduler = self.engine.scheduler
         real_evict = scheduler.evict_pin
 
@@ -70,6 +82,16 @@ class EngineMachine(RuleBasedStateMachine):
 
             scheduler.windows.attach_cached = attach_cached
 
+    @initialize(tiers=st.sampled_from(["none", "none", "ram+disk", "disk"]))
+    def choose_tiers(self, tiers):
+        """A third of the paged programs run with tiers: a small RAM tier (10 blocks of token ids) and a disk
+        folder small enough to be trimmed. (A reserved pool indexes nothing, so there is nothing to tier; a
+        sliding-window model gets no tiers.)"""
+        if tiers != "none" and self.KV_ALLOCATION == "paged" and not self.WINDOW_GROUPS:
+            self.tiers = {"ram_bytes": 640 if tiers == "ram+disk" else 0, "disk_bytes": 24 * 1024,
+                          "disk_dir": tempfile.mkdtemp(prefix="pagedchat-kv-")}
+            self._start_engine()
+
     def pinned(self):
         return list(self.engine.scheduler.pins.values())
 
@@ -88,6 +110,8 @@ class EngineMachine(RuleBasedStateMachine):
             if event.finish_reason == "error":
                 COUNTS["failed alone"] += 1
         COUNTS["engine steps"] += 1
+        if self.tiers:
+            self.engine.tiers.flush()  # disk writes land before the next lookup: programs replay exactly
         COUNTS["beams parked"] += sum(1 for s in parked if s.status == SeqStatus.WAITING and not s.block_table)
         for seq in self.pinned():
             if seq not in self.heads:
@@ -191,6 +215,67 @@ class EngineMachine(RuleBasedStateMachine):
         while self.engine.pool.num_free < blocks and scheduler.pins:
             scheduler.evict_pin(next(iter(scheduler.pins.values())))
 
+    def _drop_everything(self):
+        engine = self.engine
+        for rid in self.request_ids:
+            engine.abort(rid)
+        for pin in self.pinned():
+            engine.release(pin)
+
+    @precondition(lambda self: self.tiers)
+    @rule(now=st.integers(0, 3), killed=st.booleans())
+    def restart(self, now, killed):
+        """The process ends (the pool and RAM tier are written to disk) and a new one starts on the same disk
+        folder; earlier branch heads come back as token lists only, through the prefix walk. Drawn a quarter
+        as often as the other rules: a restart empties the pool and the RAM tier. A killed process (a
+        server's SIGKILL) never closes: the disk keeps only what its last checkpoint wrote."""
+        if now:
+            return
+        self._count_tier_hits()
+        if killed:
+            self.engine.checkpoint()
+            self.engine.tiers.flush()
+            self.engine.tiers.writer.close()    # the process dies here: its writer thread with it
+            self._drop_everything()             # (its handles are token lists to the next engine)
+            COUNTS["killed"] += 1
+        else:
+            self._drop_everything()
+            self.engine.close()
+        self.request_ids, self.fork_ids = [], set()
+        self._start_engine()
+        COUNTS["restarts"] += 1
+
+    @precondition(lambda self: self.tiers)
+    @rule(data=st.data(), how=st.sampled_from(["flip", "truncate", "empty"]))
+    def corrupt_disk_block(self, data, how):
+        """Damage one block file. With none on disk yet, first save what the pool holds (as a session save
+        or an exit would), so the rule always has a file to damage once any block was computed."""
+        files = sorted(block_files(Path(self.tiers["disk_dir"])))
+        if not files:
+            self.engine.tiers.write_through(self.engine.pool.cached_blocks())
+            self.engine.tiers.flush()
+            files = sorted(block_files(Path(self.tiers["disk_dir"])))
+        if not files:
+            return  # nothing computed yet
+        path = data.draw(st.sampled_from(files))
+        content = path.read_bytes()
+        if len(content) < 8:
+            return  # damaged already
+        damaged = {"flip": content[:-3] + bytes([content[-3] ^ 0x5A]) + content[-2:],
+                   "truncate": content[:len(content) // 2], "empty": b""}[how]
+        path.write_bytes(damaged)
+        COUNTS["corrupted files"] += 1
+
+    @precondition(lambda self: self.tiers and self.tiers["ram_bytes"])
+    @rule()
+    def drop_ram(self):
+        self.engine.tiers.ram.clear()
+
+    def _count_tier_hits(self):
+        pool = self.engine.pool
+        COUNTS["ram hit tokens"] += pool.ram_hit_tokens
+        COUNTS["disk hit tokens"] += pool.disk_hit_tokens
+
     @invariant()
     def pool_is_consistent(self):
         engine = self.engine
@@ -209,6 +294,8 @@ class EngineMachine(RuleBasedStateMachine):
         for seq in engine.scheduler.waiting:
             assert not seq.block_table and seq.num_computed == 0, f"waiting {seq} sits on blocks"
             assert not seq.window_tables, f"waiting {seq} sits on window blocks"
+        if engine.tiers is not None and engine.tiers.ram is not None:
+            engine.tiers.ram.check_invariants()
         if self.WINDOW_GROUPS:
             COUNTS["released window blocks seen"] += sum(b < 0 for s in self.running() + self.pinned()
                                                          for t in s.window_tables for b in t)
@@ -233,15 +320,16 @@ class EngineMachine(RuleBasedStateMachine):
         COUNTS["cow copies"] += engine.pool.cow_copies
         COUNTS["engine preemptions"] += engine.scheduler.num_preemptions
         COUNTS["prefix hit tokens"] += engine.pool.prefix_hit_tokens
-        for rid in self.request_ids:
-            engine.abort(rid)
-        for pin in self.pinned():
-            engine.release(pin)
+        self._count_tier_hits()
+        self._drop_everything()
         assert not engine.scheduler.running and not engine.scheduler.pins
         for seq in engine.scheduler.waiting:
             assert seq.status != SeqStatus.RUNNING
         engine.check_invariants()
         assert engine.pool.num_used == 0, "blocks leaked after every request was aborted"
+        if self.tiers:
+            engine.close()
+            shutil.rmtree(self.tiers["disk_dir"], ignore_errors=True)
 
 
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=STEPS, deadline=None,
@@ -266,7 +354,8 @@ def test_engine_state_machine():
         assert COUNTS["engine steps"] >= MIN_ENGINE_STEPS, COUNTS
     # the run really went through the paths it is meant to exercise
     for path in ("engine preemptions", "preempted", "pins dropped", "switch to evicted head", "cow copies",
-                 "failed alone", "finish", "prefix hit tokens", "beam searches", "beams parked"):
+                 "failed alone", "finish", "prefix hit tokens", "ram hit tokens", "disk hit tokens", "restarts",
+                 "killed", "corrupted files", "beam searches", "beams parked"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
 
 

@@ -19,7 +19,8 @@ def test_raw_greedy_json_matches_transformers(run, model_dirs):
     assert code == 0, err
     report = json.loads(out)
     assert set(report) >= {"model", "outputs", "usage", "kv", "timing"}
-    assert set(report["kv"]) == {"block_size", "num_blocks", "peak_blocks_used", "prefix_hit_tokens"}
+    assert set(report["kv"]) == {"block_size", "num_blocks", "peak_blocks_used", "prefix_hit_tokens",
+                                 "ram_hit_tokens", "disk_hit_tokens"}
     assert set(report["timing"]) == {"ttft_s", "decode_tokens_per_s", "total_s"}
     from transformers import AutoTokenizer
 

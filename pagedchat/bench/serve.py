@@ -61,16 +61,20 @@ class SweepParams:
 class ServerProcess:
     """`pagedchat serve` in its own process group on 127.0.0.1 (any free port); stop() kills the group."""
 
-    def __init__(self, model: Path, mode: str, p: SweepParams, log_dir: Path):
-        self.mode, self.log = mode, log_dir / f"serve-{mode}.log"
+    NO_TIERS = ("--kv-ram", "0", "--kv-disk", "0")   # both modes get exactly the pool: no tier below it
+
+    def __init__(self, model: Path, mode: str, p: SweepParams, log_dir: Path, tiers: tuple[str, ...] = NO_TIERS,
+                 env: dict | None = None, name: str | None = None):
+        self.mode, self.log = mode, log_dir / f"serve-{name or mode}.log"
         dtype = "float32" if p.device == "cpu" else "bfloat16"
         cmd = [sys.executable, "-c", "from pagedchat.cli import main; main()", "serve", "-m", str(model),
                "--host", "127.0.0.1", "--port", "0", "--served-model-name", SERVED_NAME, "--device", p.device,
                "--dtype", dtype, "--block-size", str(p.block_size), "--kv-allocation", mode,
-               "--kv-memory", str(p.pool_blocks * bytes_per_block(model, p.block_size, dtype))]
+               "--kv-memory", str(p.pool_blocks * bytes_per_block(model, p.block_size, dtype)),
+               *tiers]
         if p.max_context:
             cmd += ["--max-context", str(p.max_context)]
-        env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+        env = dict(env or os.environ, TOKENIZERS_PARALLELISM="false")
         if p.threads > 0:   # 0 = torch's default
             env.update(OMP_NUM_THREADS=str(p.threads), MKL_NUM_THREADS=str(p.threads))
         with open(self.log, "wb") as log:

@@ -115,6 +115,14 @@ class ChatBackend:
     def release(self, handle: Branch | None) -> None:
         self.engine.release(handle)
 
+    def persist(self, handles) -> None:
+        """Write these branch heads' full blocks through to the disk KV tier (a session save)."""
+        self.engine.persist(handles)
+
+    def close(self) -> None:
+        """Before exit: the pool's and RAM tier's blocks go to the disk tier for the next process."""
+        self.engine.close()
+
     def blocks_held(self, handles) -> int:
         return self.engine.blocks_held(handles)
 

@@ -133,7 +133,9 @@ class ChatController:
             del self.sessions[session.name]
             session.name = as_name
             self.sessions[as_name] = session
-        return self.store.save(session)
+        path = self.store.save(session)
+        self.backend.persist(list(session.handles.values()))
+        return path
 
     def autosave(self) -> str | None:
         """Save after a change that is not a turn (head moved, settings); the error line if it failed."""
@@ -560,6 +562,9 @@ class ChatController:
             self.store.save(s)
         except SaveError as e:
             result.save_error = str(e)
+        # Write the branch heads' full blocks through to the disk tier: reopening this session in another
+        # process loads them instead of prefilling the whole history again.
+        self.backend.persist(list(s.handles.values()))
         return result
 
     def _release_covered_pins(self, node_id: int) -> None:
@@ -581,6 +586,7 @@ class ChatController:
                 "cached": pool.cached, "shared": pool.shared, "peak_used": pool.peak_used,
                 "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,
                 "prefix_hit_rate": pool.prefix_hit_rate, "cow_copies": pool.cow_copies, "pinned": st.pinned,
+                "ram_hit_tokens": pool.ram_hit_tokens, "disk_hit_tokens": pool.disk_hit_tokens,
                 "pinned_blocks": st.pinned_blocks, "preemptions": st.preemptions, "sessions": per_session,
                 "last_turn": self.last_stats, "spec": st.spec,
                 **({"remote": remote} if (remote := self.backend.describe()) is not None else {})}

@@ -12,7 +12,7 @@ import sys
 
 from pagedchat.chat.app import start
 from pagedchat.chat.backend import ContextFull, stop_on_ctrl_c
-from pagedchat.settings import ModelOptions, SamplingOptions
+from pagedchat.settings import ModelOptions, SamplingOptions, kv_report
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
 from pagedchat.words import cut_mark
@@ -24,6 +24,13 @@ def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: st
     require_text(text)
     ctl, created = start(model_opts, sampling, session, continue_last, system, show_progress=not as_json,
                          context_overflow=context_overflow, overflow_default="stop")
+    try:
+        return _run_turn(ctl, created, text, system, num_variants, as_json)
+    finally:
+        ctl.backend.close()  # the session's blocks reach the disk tier: the next `run --session` loads them
+
+
+def _run_turn(ctl, created: bool, text: str, system: str | None, num_variants: int, as_json: bool) -> int:
     current = ctl.session
     if system is not None and not created and (current.system or None) != (system or None) \
             and current.num_messages:
@@ -83,8 +90,7 @@ def _report(ctl, result) -> dict:
                     for r in result.replies],
         "usage": {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["completion_tokens"],
                   "prompt_cached_tokens": stats["prompt_cached"]},
-        "kv": {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
-               "prefix_hit_tokens": pool.prefix_hit_tokens},
+        "kv": kv_report(pool),
         "timing": {"ttft_s": stats["ttft_s"], "decode_tokens_per_s": decode, "total_s": stats["total_s"]},
         **({"spec": spec} if (spec := ctl.backend.stats().spec) is not None else {}),
         # --server: where it ran, the endpoint, whether the history is token-exact, the server's cache

@@ -170,6 +170,12 @@ class RemoteBackend:
     def blocks_held(self, handles) -> int:
         return 0
 
+    def persist(self, handles) -> None:
+        pass                # the server keeps (and tiers) its own KV: nothing to write here
+
+    def close(self) -> None:
+        pass
+
     # -- numbers --------------------------------------------------------------------------------------------
     def pool_stats(self) -> PoolStats:
         """No local pool: zeros, with the server's cached prompt tokens as the prefix hits."""

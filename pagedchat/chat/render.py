@@ -194,6 +194,8 @@ def pool_view(stats: dict, current: str | None) -> Group:
     table.add_row("shared", f"{stats['shared']} blocks with refcount > 1")
     table.add_row("prefix cache", f"{stats['prefix_hit_rate']:.1%} hit rate "
                                   f"({stats['prefix_hit_tokens']} of {stats['prefix_query_tokens']} prompt tokens)")
+    table.add_row("lower tiers", f"{stats['ram_hit_tokens']} of the hit tokens loaded from RAM, "
+                                 f"{stats['disk_hit_tokens']} from disk")
     table.add_row("copy-on-write", f"{stats['cow_copies']} block copies")
     table.add_row("pins", f"{stats['pinned']} branch heads holding {stats['pinned_blocks']} blocks")
     table.add_row("preemptions", str(stats["preemptions"]))

@@ -167,6 +167,13 @@ def chat(
     repeats: int = typer.Option(5, "--repeats", help="Measurements per point (median; a new message each)."),
     block_size: int = typer.Option(16, "--block-size"),
     baseline: bool = typer.Option(True, "--baseline/--no-baseline", help="Also time transformers."),
+    reopen: bool = typer.Option(False, "--reopen", help="Instead: reopen a saved session in a fresh engine, "
+                                                        "first-turn TTFT with the disk KV tier vs re-prefill."),
+    processes: bool = typer.Option(False, "--processes", help="With --reopen: real `pagedchat run --session` "
+                                                              "processes (a random model gets the demo tokenizer)."),
+    serve_restart: bool = typer.Option(False, "--serve-restart", help="Instead: restart `pagedchat serve` under "
+                                       "a shared system prompt of --history tokens; the first request's TTFT and "
+                                       "cached_tokens after it, disk tier vs --kv-disk 0."),
     beams: int = typer.Option(0, "--beams", help="Also measure the blocks beam search with W beams holds on "
                                                  "this model vs one sequence and a contiguous per-beam cache."),
     beam_prompts: str = typer.Option("1024,2048", "--beam-prompts", help="Prompt lengths for --beams."),
@@ -181,6 +188,8 @@ def chat(
     import tempfile
 
     from pagedchat.bench.chat import plot_chat, print_chat_report, run_chat_bench
+    from pagedchat.bench.reopen import (print_reopen_report, print_restart_report, run_reopen_bench,
+                                        run_reopen_process_bench, run_serve_restart_bench)
     from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
 
@@ -192,8 +201,28 @@ def chat(
     plot = _plot_path(plot)
     needed = max(max(histories) + message_tokens + reply_tokens, max(prompts) + beam_tokens if beams else 0) + 64
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
-        path, name = resolve_model(model, random_arch, random_size, Path(tmp), max(4096, -(-needed // 1024) * 1024),
+        max_positions = max(4096, -(-needed // 1024) * 1024)
+        if serve_restart:
+            result = run_serve_restart_bench(*_chat_model(model, random_arch, random_size, Path(tmp), max_positions),
+                                             histories, repeats=repeats, seed=seed, threads=_threads(threads, device))
+            _stamp(result)
+            print_json(result) if as_json else print_restart_report(result)
+            return
+        if reopen and processes:
+            result = run_reopen_process_bench(*_chat_model(model, random_arch, random_size, Path(tmp), max_positions),
+                                              histories, message_tokens, reply_tokens, repeats, seed,
+                                              _threads(threads, device))
+            _stamp(result)
+            print_json(result) if as_json else print_reopen_report(result)
+            return
+        path, name = resolve_model(model, random_arch, random_size, Path(tmp), max_positions,
                                    dtype="bfloat16" if random_size == "1b" else "float32")
+        if reopen:
+            result = run_reopen_bench(path, name, histories, message_tokens, reply_tokens, repeats, block_size,
+                                      device, dtype, seed, _threads(threads, device))
+            _stamp(result)
+            print_json(result) if as_json else print_reopen_report(result)
+            return
         result = run_chat_bench(path, name, histories=histories, message_tokens=message_tokens,
                                 reply_tokens=reply_tokens, variants=variants, repeats=repeats,
                                 block_size=block_size, device=device, dtype=dtype, seed=seed,
@@ -270,7 +299,7 @@ def serve(
 
     from pagedchat.bench.common import print_json
     from pagedchat.bench.load import Workload
-    from pagedchat.bench.models import build_chat_bench_model, resolve_device, resolve_model
+    from pagedchat.bench.models import resolve_device
     from pagedchat.bench.serve import SweepParams, check_loopback, plot_serve, print_serve_report, run_serve_bench
 
     url = check_loopback(url) if url else None
@@ -293,11 +322,7 @@ def serve(
                         ttft_target_s=ttft_target, max_seconds=max_seconds, timeout_s=timeout,
                         threads=_threads(threads, device) or 0, device=device)
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
-        if model:
-            path, name = resolve_model(model, None, random_size, Path(tmp))
-        else:
-            path = build_chat_bench_model(random_arch, Path(tmp) / f"{random_arch}-{random_size}", random_size)
-            name = f"random {random_arch} ({random_size}) with the demo tokenizer"
+        path, name = _chat_model(model, random_arch, random_size, Path(tmp))
         result = run_serve_bench(path, name, load, sweep, url=url, show_progress=not as_json)
     if plot:
         plot_serve([result], plot)
@@ -370,6 +395,17 @@ def _batch1_rows(path, threads: Optional[int], repeats: int, peer: Optional[str]
     rows = run_batch1_bench(path, count, repeats=repeats, peer=peer, quantize="int8", seed=seed)
     rows["startup"] = startup_times(count, max(3, repeats))
     return rows
+
+
+def _chat_model(model: Optional[str], random_arch: Optional[str], size: str, workdir, max_positions: int = 4096):
+    """(folder, name) of a model that takes chat messages as text: -m MODEL, or random weights of --random
+    ARCH over the demo model's tokenizer and chat template (without either: the demo model)."""
+    from pagedchat.bench.models import build_chat_bench_model, resolve_model
+
+    if model or not random_arch:
+        return resolve_model(model, None, size, workdir)
+    path = build_chat_bench_model(random_arch, workdir / f"{random_arch}-{size}", size, max_positions)
+    return path, f"random {random_arch} ({size}) with the demo tokenizer"
 
 
 def _threads(threads: Optional[int], device: str) -> Optional[int]:

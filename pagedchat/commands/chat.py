@@ -37,6 +37,8 @@ def chat(
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
+    kv_disk: Optional[str] = common.KV_DISK,
+    kv_ram: Optional[str] = common.KV_RAM,
     quantize: Optional[str] = common.QUANTIZE,
     server: Optional[str] = common.SERVER,
 ) -> None:
@@ -49,7 +51,7 @@ def chat(
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
                                     num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                                    server=server, quantize=quantize)
+                                    server=server, quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)
@@ -58,7 +60,11 @@ def chat(
     console = Console(highlight=False)
     if system is not None and not created and (ctl.session.system or None) != (system or None):
         console.print(Text(ctl.set_system(system), style="yellow"))
-    raise typer.Exit(run_repl(ctl, console))
+    try:
+        code = run_repl(ctl, console)
+    finally:
+        ctl.backend.close()  # what the pool and RAM tier hold goes to the disk tier for the next process
+    raise typer.Exit(code)
 
 
 def _check_flags(sampling: common.SamplingOptions) -> None:

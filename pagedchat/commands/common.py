@@ -21,6 +21,9 @@ DTYPE = typer.Option(None, "--dtype", help="auto (bf16 on CUDA, fp32 on CPU), fl
 BLOCK_SIZE = typer.Option(16, "--block-size", help="Tokens per KV block (8..128, power of two).")
 KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool size: bytes, 256KiB/512MiB/4GiB, or 40% of free memory "
                                                    "(default: 90% of free GPU memory, 512MiB on CPU).")
+KV_DISK = typer.Option(None, "--kv-disk", help="Disk tier for KV blocks under $XDG_CACHE_HOME/pagedchat/kv, shared "
+                                               "across processes (default 2GiB; 0 = off).")
+KV_RAM = typer.Option(None, "--kv-ram", help="Host-RAM tier for KV blocks the pool evicts (default 512MiB; 0 = off).")
 QUANTIZE = typer.Option(None, "--quantize", help="int8: weight-only int8 linear layers (per-channel scales, "
                                                  "quantized at load from the fp checkpoint); none: off "
                                                  "(default: the models.toml quantize key, else none).")

@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from pagedchat.commands import common
+from pagedchat.settings import kv_report
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
 from pagedchat.reasoning import ReasoningStream, starts_thinking
@@ -55,6 +56,8 @@ def run(
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
+    kv_disk: Optional[str] = common.KV_DISK,
+    kv_ram: Optional[str] = common.KV_RAM,
     quantize: Optional[str] = common.QUANTIZE,
     server: Optional[str] = common.SERVER,
     logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
@@ -65,7 +68,7 @@ def run(
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
                                     num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                                    server=server, quantize=quantize)
+                                    server=server, quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)
@@ -109,7 +112,10 @@ def run(
         messages = [_job_messages(job, default_system) for job in jobs]
         code = _generate_remote(engine, entry.name, requests, messages, as_json, file is not None, thinking)
     else:
-        code = _generate(engine, entry.name, requests, as_json, batch=file is not None, thinking=thinking)
+        try:
+            code = _generate(engine, entry.name, requests, as_json, batch=file is not None, thinking=thinking)
+        finally:
+            engine.close()  # the prompts' KV goes to the disk tier: the next run with the same prefix loads it
     raise typer.Exit(code)
 
 
@@ -396,8 +402,7 @@ def _json_report(engine, model_name, outputs, batch, start, first_token_at, tota
         report["usage"] = {"prompt_tokens": sum(o.num_prompt_tokens for o in outputs), "completion_tokens": completion}
     else:
         report.update(result(outputs[0]))
-    report["kv"] = {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
-                    "prefix_hit_tokens": pool.prefix_hit_tokens}
+    report["kv"] = kv_report(pool)
     report["timing"] = {"ttft_s": ttft, "decode_tokens_per_s": (completion - len(outputs)) / decode_time
                         if decode_time > 0 and completion > len(outputs) else None, "total_s": total}
     spec = engine.stats().spec

@@ -36,6 +36,8 @@ def serve(
     speculate: Optional[str] = common.SPECULATE,
     num_draft_tokens: Optional[int] = common.NUM_DRAFT_TOKENS,
     draft_model: Optional[str] = common.DRAFT_MODEL,
+    kv_disk: Optional[str] = common.KV_DISK,
+    kv_ram: Optional[str] = common.KV_RAM,
     context_overflow: Optional[str] = common.CONTEXT_OVERFLOW,
     quantize: Optional[str] = common.QUANTIZE,
 ) -> None:
@@ -45,5 +47,5 @@ def serve(
     opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size, kv_memory=kv_memory,
                                max_context=max_context, kv_allocation=kv_allocation,
                                speculate=speculate, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                               quantize=quantize)
+                               quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram)
     run_server(opts, host, port, api_key, served_model_name, verbose, context_overflow)

@@ -9,20 +9,33 @@ Only ids and counters live here; the K/V tensors belong to the runner. Invariant
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
+
+KEY_BYTES = 32
+ROOT_KEY = bytes(KEY_BYTES)   # the "parent" of a sequence's first block
+_PERSON = b"pagedchat-kv-v1"  # BLAKE2b personalization: these digests name KV blocks and nothing else
 
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block given the hash of the block before it: equal hashes mean equal prefixes."""
-    return hash((parent, tokens))
+def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
+    """Key of a full block: BLAKE2b-256 over the parent block's key and the block's token ids (uint32,
+    little-endian). Cryptographic, so no crafted prompt can make its chain collide with another user's (a
+    64-bit `hash()` can be), and free of per-process hash seeds, so the same key names the same block in the
+    pool, in the RAM tier and on disk in every process."""
+    data = (parent or ROOT_KEY) + struct.pack(f"<{len(tokens)}I", *tokens)
+    return hashlib.blake2b(data, digest_size=KEY_BYTES, person=_PERSON).digest()
 
 
-def group_key(h: int, group: int) -> int:
+def group_key(h: bytes, group: int) -> bytes:
     """Cache key of a block of layer group `group` (sliding-window groups, engine/window_groups.py): the same
     tokens' KV of different layers lives in different blocks. Group 0 (every model's only group, or the
-    global layers) keys by the chain hash itself."""
-    return h if group == 0 else hash((h, group))
+    global layers) keys by the chain hash itself; the others by a digest of it and the group."""
+    if group == 0:
+        return h
+    return hashlib.blake2b(h + struct.pack("<I", group), digest_size=KEY_BYTES, person=_PERSON).digest()
 
 
 @dataclass
@@ -34,9 +47,11 @@ class PoolStats:
     cached: int        # free but still holding a hashed prefix that can be hit
     shared: int        # refcount > 1
     peak_used: int
-    prefix_hit_tokens: int    # cumulative tokens whose KV was reused instead of computed
+    prefix_hit_tokens: int    # cumulative tokens whose KV was reused instead of computed (every tier)
     prefix_query_tokens: int  # cumulative prompt tokens looked up
     cow_copies: int           # cumulative copy-on-write block copies
+    ram_hit_tokens: int = 0   # of prefix_hit_tokens: loaded back from the host-RAM tier
+    disk_hit_tokens: int = 0  # of prefix_hit_tokens: loaded back from the disk tier
 
     @property
     def capacity_tokens(self) -> int:
@@ -51,21 +66,28 @@ class OutOfBlocks(Exception):
     """No free block is left; the scheduler reacts by evicting pins or preempting."""
 
 
+EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.ref_count = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
-        self.hash_to_block: dict[int, int] = {}
+        self.hash_to_block: dict[bytes, int] = {}
         # Oldest first: blocks freed long ago (and tail blocks of a freed sequence) are reused first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.peak_used = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self.ram_hit_tokens = self.disk_hit_tokens = 0
         self.cow_copies = 0
+        # Called with (block, key, tokens) just before a cached block is reused, while it still holds that
+        # KV: the tiers below the pool keep a copy.
+        self.on_evict: EvictHook | None = None
 
     # -- counts -------------------------------------------------------------------------------------------
     @property
@@ -80,13 +102,16 @@ class BlockPool:
         cached = sum(1 for b in self.free_queue if self.block_hash[b] is not None)
         shared = sum(1 for r in self.ref_count if r > 1)
         return PoolStats(self.num_blocks, self.block_size, self.num_used, self.num_free, cached, shared,
-                         self.peak_used, self.prefix_hit_tokens, self.prefix_query_tokens, self.cow_copies)
+                         self.peak_used, self.prefix_hit_tokens, self.prefix_query_tokens, self.cow_copies,
+                         self.ram_hit_tokens, self.disk_hit_tokens)
 
     # -- allocation -----------------------------------------------------------------------------------------
     def allocate(self) -> int:
         if not self.free_queue:
             raise OutOfBlocks
         block, _ = self.free_queue.popitem(last=False)
+        if self.on_evict is not None and self.block_hash[block] is not None:
+            self.on_evict(block, self.block_hash[block], self.block_tokens[block])
         self._forget_hash(block)
         self.ref_count[block] = 1
         self.peak_used = max(self.peak_used, self.num_used)
@@ -137,9 +162,10 @@ class BlockPool:
         return block, new
 
     # -- prefix cache ---------------------------------------------------------------------------------------
-    def lookup(self, parent_hash: int | None, tokens: tuple[int, ...], group: int = 0) -> tuple[int, int] | None:
+    def lookup(self, parent_hash: bytes | None, tokens: tuple[int, ...], group: int = 0) -> tuple[int, bytes] | None:
         """(block, hash) of a cached full block of layer group `group` holding exactly `tokens` after the
-        prefix `parent_hash`."""
+        prefix `parent_hash`. The token comparison stays even with a cryptographic key: it costs little and
+        guards the invariant."""
         if not self.enable_prefix_cache:
             return None
         h = chain_hash(parent_hash, tokens)
@@ -148,7 +174,7 @@ class BlockPool:
             return None
         return block, h
 
-    def register(self, block: int, parent_hash: int | None, tokens: tuple[int, ...], group: int = 0) -> int:
+    def register(self, block: int, parent_hash: bytes | None, tokens: tuple[int, ...], group: int = 0) -> bytes:
         """Index a block (of layer group `group`) that has just become full and computed. Returns its chain
         hash."""
         assert len(tokens) == self.block_size and self.ref_count[block] > 0
@@ -164,9 +190,18 @@ class BlockPool:
             self.hash_to_block[key] = block
         return h
 
-    def record_lookup(self, query_tokens: int, hit_tokens: int) -> None:
+    def record_lookup(self, query_tokens: int, hit_tokens: int, ram_tokens: int = 0, disk_tokens: int = 0) -> None:
         self.prefix_query_tokens += query_tokens
         self.prefix_hit_tokens += hit_tokens
+        self.ram_hit_tokens += ram_tokens
+        self.disk_hit_tokens += disk_tokens
+
+    def cached_blocks(self) -> list[tuple[int, bytes, tuple[int, ...]]]:
+        """(block, key, tokens) of every indexed block: in use first, then free ones, most recently freed
+        first (the order their KV is worth keeping)."""
+        free = [b for b in reversed(self.free_queue) if self.block_hash[b] is not None]
+        used = [b for b in self.hash_to_block.values() if self.ref_count[b] > 0]
+        return [(b, self.block_hash[b], self.block_tokens[b]) for b in used + free]
 
     def _forget_hash(self, block: int) -> None:
         h = self.block_hash[block]

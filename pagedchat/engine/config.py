@@ -12,7 +12,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECAS
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
-def parse_size(text: str | int | None) -> int | None:
+def parse_size(text: str | int | None, allow_zero: bool = False) -> int | None:
     """'512MiB', '4GiB', '256KiB', '1.5G' or a plain byte count -> bytes. None stays None."""
     if text is None or isinstance(text, int):
         return text
@@ -21,7 +21,7 @@ def parse_size(text: str | int | None) -> int | None:
         raise UserError(f"invalid size {text!r}: use bytes or a KiB/MiB/GiB suffix, e.g. 512MiB")
     unit = (m.group(2) or "").upper().rstrip("B").rstrip("I")
     n = int(float(m.group(1)) * _UNITS[unit])
-    if n <= 0:
+    if n < 0 or n == 0 and not allow_zero:
         raise UserError(f"invalid size {text!r}: must be positive")
     return n
 
@@ -59,12 +59,19 @@ class EngineConfig:
     num_draft_tokens: int = 6       # most tokens proposed per sequence and step (adapted per sequence)
     draft_model: str | None = None  # a smaller model with the same tokenizer (speculate="draft")
     quantize: str | None = None     # None/"none" | "int8": weight-only, per-channel scales, from the fp checkpoint
+    # Tiers below the pool (0 = off; the library default, so tests and benchmarks keep no state; the CLI
+    # turns both on): evicted blocks go to host RAM, then to disk, where other processes find them too.
+    kv_ram: int | str = 0           # bytes or '512MiB'
+    kv_disk: int | str = 0          # bytes or '2GiB'; blocks live in kv_dir/<model fingerprint>/
+    kv_dir: str | None = None       # None = $XDG_CACHE_HOME/pagedchat/kv
 
     def __post_init__(self):
         if isinstance(self.kv_memory, str) and self.kv_memory.strip().endswith("%"):
             self.kv_fraction = _parse_percent(self.kv_memory)
             self.kv_memory = None
         self.kv_memory = parse_size(self.kv_memory)
+        self.kv_ram = parse_size(self.kv_ram, allow_zero=True)
+        self.kv_disk = parse_size(self.kv_disk, allow_zero=True)
         if not 8 <= self.block_size <= 128 or self.block_size & (self.block_size - 1):
             raise SettingError("block_size", f"{{name}} must be a power of two from 8 to 128, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 1:

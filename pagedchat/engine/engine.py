@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 from contextlib import closing
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
@@ -28,6 +29,7 @@ from pagedchat.engine import beam
 from pagedchat.engine.block_pool import BlockPool, PoolStats
 from pagedchat.engine.config import EngineConfig
 from pagedchat.engine.grammar import Grammars
+from pagedchat.engine.kv_tiers import KVTiers, build_tiers
 from pagedchat.engine.logprobs import TokenLogprob, reduce_rows
 from pagedchat.engine.output_processor import OutputProcessor
 from pagedchat.engine.outputs import Branch, CompletionOutput, EngineStats, RequestOutput, TokenEvent
@@ -47,9 +49,10 @@ __all__ = ["Branch", "CompletionOutput", "Engine", "EngineStats", "RequestOutput
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: ModelSource | None = None, show_progress: bool = True,
-                 runner: StepRunner | None = None):
+                 runner: StepRunner | None = None, tiers: KVTiers | None = None):
         """`loaded` and `runner` replace the loaded model and the model runner (property tests and the
-        memory benchmarks drive the real scheduling without a model): see engine/seams.py."""
+        memory benchmarks drive the real scheduling without a model): see engine/seams.py. `tiers` replaces
+        the RAM/disk tiers the config asks for (tests give a fake runner its own)."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.device, config.dtype, config.max_model_len,
                                            trust_remote_code=config.trust_remote_code, show_progress=show_progress,
@@ -63,9 +66,14 @@ class Engine:
         windowed = groups is not None and groups.num_window_groups > 0
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
         windows = WindowTables(self.pool, groups.num_window_groups, groups.window) if windowed else None
+        # The RAM/disk tiers store whole blocks of the one global table: a sliding-window model's window
+        # groups keep other blocks, which they do not store, so such models get no tiers (the pool's cache only).
+        self.tiers = None if windowed else tiers if tiers is not None else self._build_tiers()
+        if self.tiers is not None:
+            self.pool.on_evict = self.tiers.spill
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
                                    reserve_upfront=config.kv_allocation == "reserved",
-                                   max_model_len=self.max_model_len, windows=windows)
+                                   max_model_len=self.max_model_len, windows=windows, tiers=self.tiers)
         self.sampler = Sampler()
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self._speculators: dict[str, Speculator] = {}
@@ -114,6 +122,46 @@ class Engine:
     def model_path(self):
         """The model folder (for messages)."""
         return self.loaded.path
+
+    def _build_tiers(self) -> KVTiers | None:
+        config = self.config
+        if not config.enable_prefix_cache or not (config.kv_ram or config.kv_disk):
+            return None
+        from pagedchat.engine.kv_fingerprint import engine_fingerprint, kv_cache_root
+        from pagedchat.model.loader import weight_files
+
+        fp, meta = "", {}
+        root = Path(config.kv_dir) if config.kv_dir else kv_cache_root()
+        if config.kv_disk:
+            extra = {"quantize": q} if (q := getattr(config, "quantize", None)) else None
+            fp, meta = engine_fingerprint(self.loaded.path, weight_files(self.loaded.path), self.loaded.dtype,
+                                          config.block_size, self.device.type, root, extra)
+        return build_tiers(self.runner, self.runner.block_payload_shape, self.loaded.dtype, fp, config.kv_ram,
+                           config.kv_disk, root, meta)
+
+    # -- KV that outlives the process -----------------------------------------------------------------------
+    def persist(self, handles: Iterable[Branch | Sequence | None]) -> None:
+        """Write the full blocks of these pinned branch heads through to the disk tier (a session save), so
+        another process reopening the session loads them instead of prefilling."""
+        if self.tiers is None:
+            return
+        bs, blocks = self.pool.block_size, []
+        for h in map(_sequence, handles):
+            if h is not None and h.status == SeqStatus.PINNED:
+                blocks += [(b, key, tuple(h.token_ids[i * bs:(i + 1) * bs]))
+                           for i, (b, key) in enumerate(zip(h.block_table, h.block_hashes))]
+        self.tiers.write_through(blocks)
+
+    def checkpoint(self) -> None:
+        """Queue the cached blocks the disk tier lacks for writing, without waiting (a server calls this when
+        it goes idle and every so often, so a killed server loses little of its cache)."""
+        if self.tiers is not None:
+            self.tiers.checkpoint(self.pool.cached_blocks())
+
+    def close(self) -> None:
+        """Write what the pool and the RAM tier hold to disk and wait for the writes. Call before exit."""
+        if self.tiers is not None:
+            self.tiers.close(self.pool.cached_blocks())
 
     # -- requests -------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
@@ -500,7 +548,8 @@ class Engine:
         prompt_logprobs = list(r.prompt_logprobs) if r.params.prompt_logprobs is not None else None
         embedding = (r.hidden_sum / r.pooled).float().tolist() if r.params.embed and r.pooled else None
         return RequestOutput(r.request_id, r.prompt_token_ids, outputs, r.finished, r.prefix_hit_tokens or 0,
-                             ttft, total, r.error, prompt_logprobs, embedding)
+                             ttft, total, r.error, prompt_logprobs, embedding, r.ram_hit_tokens,
+                             r.disk_hit_tokens)
 
     def pop_output(self, request_id: str) -> RequestOutput:
         """The output; a finished request is forgotten (its id can be reused)."""

@@ -87,12 +87,14 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prefix_hit_tokens: int
+    prefix_hit_tokens: int                 # prompt tokens whose KV was reused (any tier)
     ttft_s: float | None
     total_s: float | None
     error: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None   # for prompt tokens 1.. (echo), when asked for
     embedding: list[float] | None = None   # embed: mean of the prompt's last-layer hidden states (final norm)
+    ram_hit_tokens: int = 0                # of prefix_hit_tokens: loaded from the host-RAM tier
+    disk_hit_tokens: int = 0               # of prefix_hit_tokens: loaded from the disk tier
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -144,6 +144,30 @@ class ModelRunner:
         torch.cuda.synchronize(dev)
         del scratch
 
+    # -- blocks in and out (the RAM and disk tiers) ----------------------------------------------------------
+    @property
+    def block_payload_shape(self) -> tuple[int, ...]:
+        """One block as the tiers store it: [K/V, layer, slot, kv head, head dim]."""
+        return (2, len(self.k_caches), *self.k_caches[0].shape[1:])
+
+    @torch.inference_mode()
+    def read_blocks(self, blocks: list[int]) -> torch.Tensor:
+        """A CPU copy of these blocks, [n, *block_payload_shape]."""
+        index = torch.tensor(blocks, device=self.device)
+        k = torch.stack([cache.index_select(0, index) for cache in self.k_caches], dim=1)
+        v = torch.stack([cache.index_select(0, index) for cache in self.v_caches], dim=1)
+        return torch.stack([k, v], dim=1).cpu()
+
+    @torch.inference_mode()
+    def write_blocks(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
+        """Copy each block straight into its slots: stacking them first would allocate and copy the whole
+        load once more (a 4k-token history of a small model is 64 MiB)."""
+        for block, payload in zip(blocks, payloads):
+            payload = payload.to(self.device, non_blocking=True)
+            for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches)):
+                k[block].copy_(payload[0, layer])
+                v[block].copy_(payload[1, layer])
+
     # -- one step -------------------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:

@@ -16,7 +16,10 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedchat.engine.block_pool import BlockPool, chain_hash
+from pagedchat.engine.kv_tiers import KVTiers
 from pagedchat.engine.sequence import Sequence, SeqStatus
 from pagedchat.engine.window_groups import WindowTables
 
@@ -35,12 +38,14 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  reserve_upfront: bool = False, max_model_len: int | None = None,
-                 windows: WindowTables | None = None):
+                 windows: WindowTables | None = None, tiers: KVTiers | None = None):
         assert not reserve_upfront or max_model_len, "up-front reservation needs the context length"
         self.pool = pool
         self.windows = windows      # the sliding-window layer groups' tables, for models that have them
         self.reserve_upfront = reserve_upfront
         self.max_model_len = max_model_len
+        self.tiers = tiers  # RAM/disk below the pool: prefix lookups go on there after a pool miss
+        assert not (tiers and windows), "no KV tiers under sliding-window groups (their blocks are not stored)"
         self.block_size = pool.block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -119,9 +124,10 @@ class Scheduler:
                 self._release(seq)              # do not sit on cached blocks while waiting
                 break
             self.waiting.popleft()
-            self.pool.record_lookup(seq.num_tokens, seq.num_computed)
+            self.pool.record_lookup(seq.num_tokens, seq.num_computed, *seq.tier_hits)
             if seq.request.prefix_hit_tokens is None:
                 seq.request.prefix_hit_tokens = seq.num_computed
+                seq.request.ram_hit_tokens, seq.request.disk_hit_tokens = seq.tier_hits
             self._reserve(seq, hold, batch.copies)
             seq.status = SeqStatus.RUNNING
             _insert_by_arrival(self.running, seq)
@@ -190,10 +196,12 @@ class Scheduler:
             self.windows.reserve(seq, n, copies)
 
     def _match_prefix(self, seq: Sequence) -> None:
-        """Reuse computed KV at admission: fork a pinned parent, else walk the prefix cache."""
+        """Reuse computed KV at admission: fork a pinned parent, else walk the prefix cache (the pool, then
+        the tiers below it)."""
         tokens = seq.token_ids
         limit = seq.num_tokens - 1  # the last token is always computed: its logits are sampled
         parent = seq.parent
+        seq.tier_hits = (0, 0)
         if not seq.reuses_prefix:
             seq.num_computed = 0
         elif parent is not None and parent.status == SeqStatus.PINNED:
@@ -209,20 +217,47 @@ class Scheduler:
             self._match_cached(seq, limit)
 
     def _match_cached(self, seq: Sequence, limit: int) -> None:
-        """Walk the prefix cache over the full blocks of the first `limit` tokens."""
-        bs, tokens, h = self.block_size, seq.token_ids, None
+        """Walk the prefix cache over the full blocks of the first `limit` tokens: the pool, then the tiers."""
+        bs, tokens = self.block_size, seq.token_ids
+        loads: list[tuple[int, torch.Tensor]] = []
+        hits = {"ram": 0, "disk": 0}
         for i in range(limit // bs):
-            found = self.pool.lookup(h, tuple(tokens[i * bs:(i + 1) * bs]))
-            if found is None:
-                break
-            block, h = found
-            self.pool.incref(block)
+            h = seq.block_hashes[-1] if seq.block_hashes else None
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            found = self.pool.lookup(h, block_tokens)
+            if found is not None:
+                block, key = found
+                self.pool.incref(block)
+            else:
+                loaded = self._load_from_tiers(h, block_tokens)
+                if loaded is None:
+                    break
+                (block, key, payload), tier = loaded
+                loads.append((block, payload))
+                hits[tier] += bs
             seq.block_table.append(block)
-            seq.block_hashes.append(h)
+            seq.block_hashes.append(key)
         if self.windows and seq.block_table:
             self._free_tail(seq, self.windows.attach_cached(seq, seq.block_hashes))
             del seq.block_hashes[len(seq.block_table):]
+        if loads:
+            self.tiers.load([b for b, _ in loads], [p for _, p in loads])
         seq.num_computed = len(seq.block_table) * bs
+        seq.tier_hits = (hits["ram"], hits["disk"])
+
+    def _load_from_tiers(self, parent: bytes | None, block_tokens: tuple[int, ...]):
+        """((fresh pool block, key, payload), tier) for a block a lower tier holds, indexed in the pool
+        already (its KV is copied in, batched, before anything can read it); None on a miss."""
+        if self.tiers is None or not self.pool.enable_prefix_cache or self.pool.num_free == 0:
+            return None
+        key = chain_hash(parent, block_tokens)
+        found = self.tiers.fetch(key, block_tokens)
+        if found is None:
+            return None
+        tier, payload = found
+        block = self.pool.allocate()
+        self.pool.register(block, parent, block_tokens)
+        return (block, key, payload), tier
 
     def fork_into(self, parent: Sequence, child: Sequence, num_tokens: int | None = None) -> None:
         """The child shares the parent's blocks: of its first num_tokens tokens, or its whole tables (None:
@@ -235,7 +270,7 @@ class Scheduler:
         if self.windows:
             self.windows.fork(parent, child, blocks)
 
-    def _blocks_computed_by(self, items: list[tuple[Sequence, int]]) -> set[int]:
+    def _blocks_computed_by(self, items: list[tuple[Sequence, int]]) -> set[bytes]:
         """Chain hashes of the full blocks these scheduled chunks complete (indexed only after the step)."""
         if not self.pool.enable_prefix_cache:
             return set()
@@ -247,7 +282,7 @@ class Scheduler:
                 hashes.add(parent)
         return hashes
 
-    def _next_block_hash(self, seq: Sequence) -> int | None:
+    def _next_block_hash(self, seq: Sequence) -> bytes | None:
         """Hash of the first full prompt block this sequence would have to compute itself."""
         bs, i = self.block_size, len(seq.block_hashes)
         if len(seq.block_table) != i or (i + 1) * bs > seq.num_tokens - 1:

@@ -31,9 +31,10 @@ class Sequence:
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = request.num_prompt_tokens
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []   # chain hashes of the leading full, computed blocks
+        self.block_hashes: list[bytes] = []  # chain keys of the leading full, computed blocks
         self.window_tables: list[list[int]] = []  # sliding-window layer groups' tables (window_groups.py)
         self.num_computed = 0               # tokens whose K/V are in the pool
+        self.tier_hits = (0, 0)             # (RAM, disk) tokens loaded back at the last admission
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -87,7 +88,9 @@ class Request:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    prefix_hit_tokens: int | None = None  # set at first admission
+    prefix_hit_tokens: int | None = None  # set at first admission (reused from any tier)
+    ram_hit_tokens: int = 0              # of those, loaded from the host-RAM tier
+    disk_hit_tokens: int = 0             # of those, loaded from the disk tier
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
     beam: object | None = None           # a BeamSearch (engine/beam.py) when params.beam_width > 0

@@ -14,6 +14,7 @@ import concurrent.futures
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from contextlib import closing
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Callable
 from pagedchat.engine import Engine, RequestOutput, SamplingParams, TokenEvent
 
 log = logging.getLogger("pagedchat.serve")
+CHECKPOINT_INTERVAL_S = 30.0   # a server that never goes idle still saves its cached KV blocks this often
 
 
 # -- what a group's queue carries (lists of these, one list per engine step) ----------------------------------
@@ -112,6 +114,7 @@ class AsyncEngine:
         self._open: set[RequestGroup] = set()                   # groups being served; event loop only
         self._thread = threading.Thread(target=self._run, name="pagedchat-engine", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._last_checkpoint = time.monotonic()
 
     # -- lifecycle ------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -177,7 +180,8 @@ class AsyncEngine:
                     break
             try:
                 self._run_commands()
-                self._drive()
+                if self._drive():
+                    self._checkpoint()      # gone idle: the new cached blocks go to the disk tier
             except Exception as e:  # a bug here must not leave every client waiting forever
                 log.exception("engine loop error")
                 self._fail_all(Failure(f"engine error: {type(e).__name__}: {e}", 500, "engine_error"))
@@ -200,18 +204,33 @@ class AsyncEngine:
         except Exception as e:          # user errors travel back to the HTTP handler that asked
             future.set_exception(e)
 
-    def _drive(self) -> None:
+    def _drive(self) -> bool:
         """Step the engine until it has no work, running the commands that arrive between two steps (so a
-        new request joins the running batch at the next step)."""
+        new request joins the running batch at the next step). True when it stepped and ran out of work."""
+        stepped = False
         try:
             with closing(self.engine.steps()) as steps:
                 for events in steps:
+                    stepped = True
                     self._dispatch(events)
                     if not self._run_commands():
-                        return          # stopping: _shutdown fails what is left
+                        return False    # stopping: _shutdown fails what is left
+                    if time.monotonic() - self._last_checkpoint > CHECKPOINT_INTERVAL_S:
+                        self._checkpoint()  # busy for long: do not wait for idle to save the cache
         except Exception as e:  # a bug or a device error: fail the calls in flight, keep serving
             log.exception("engine step failed")
             self._fail_all(Failure(f"engine error: {type(e).__name__}: {e}", 500, "engine_error"))
+            return False
+        return stepped
+
+    def _checkpoint(self) -> None:
+        """Queue the pool's new cached blocks for the disk tier (written by its own thread): a server killed
+        without a clean shutdown then loses only what it cached since. A failure here costs only the cache."""
+        self._last_checkpoint = time.monotonic()
+        try:
+            self.engine.checkpoint()
+        except Exception:
+            log.exception("saving the KV cache to disk failed")
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         batches: dict[RequestGroup, list] = {}
@@ -277,3 +296,4 @@ class AsyncEngine:
             if future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError("the engine loop has stopped"))
         self._fail_all(Failure("the server is shutting down", 503, "server_shutting_down"))
+        self.engine.close()  # cached prompts (a shared system prompt) reach the disk tier for the next start
