@@ -153,6 +153,8 @@ class EngineMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self.pinned()))
         cut = data.draw(st.integers(1, parent.num_tokens))
         self._add(parent.token_ids[:cut] + suffix, SamplingParams(temperature=0, max_tokens=4), True, parent)
+        self._step()  # admitted now, while its parent is most likely still pinned
+        self.pool_is_consistent()
 
     @precondition(lambda self: self.heads)
     @rule(data=st.data(), suffix=st.lists(st.integers(2, 23), min_size=1, max_size=6))
