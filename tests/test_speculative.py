@@ -11,7 +11,7 @@ import torch
 from fake_runner import EOS, fake_engine
 from hf_models import ARCHS
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
-from pagedchat.engine.speculative import DraftBudget, NgramProposer, SpecState
+from pagedchat.engine.speculative import FIRST_STEPS, DraftBudget, NgramProposer, SpecState
 from test_engine_equality import check
 
 NEW_TOKENS = 24
@@ -239,6 +239,20 @@ def test_draft_budget_runs_the_measured_best_cap_and_remeasures_the_others():
     assert budget.choose(1) == 6  # another batch-size class is measured apart
 
 
+def test_draft_budget_backs_off_from_a_cap_that_keeps_losing():
+    budget = DraftBudget(6)
+    chosen = []
+    for step in range(2600):
+        rates = {6: 1.0, 0: 3.0} if step < 2000 else {6: 3.0, 0: 1.0}  # drafts lose, then start paying
+        cap = budget.choose(16)
+        chosen.append(cap)
+        budget.observe(16, cap, tokens=rates[cap], seconds=1.0)
+    probes = [i for i, cap in enumerate(chosen[:2000]) if cap == 6][FIRST_STEPS:]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] > 1.5 * gaps[0]  # ever rarer re-measurement
+    assert chosen[-100:].count(6) > 95  # but a cap that starts winning is noticed and kept
+
+
 def test_closed_batch_drafts_only_for_the_sequences_furthest_from_done():
     """Nothing waits: a sequence more than one step's drafts ahead of the one with the most tokens left
     decodes plainly (its drafts would not end the run sooner)."""
@@ -289,6 +303,8 @@ def test_ngram_prefers_longest_then_the_stream_matching_furthest_back():
     # a loop in the sequence's own tokens continues with its period (an overlapping copy)
     assert proposer.propose([_Seq([9, 4, 5, 6, 4, 5, 6, 4])], [5]) == [[5, 6, 4, 5, 6]]
     assert proposer.propose([_Seq([1, 7, 7, 7])], [3]) == [[7, 7, 7]]
+    # chained: a copy that reaches the end of the sibling goes on where its drafts occur again
+    assert proposer.propose([_Seq([3, 4, 5, 6, 0, 8], context=[[8, 3, 4]])], [4]) == [[3, 4, 5, 6]]
 
 
 def test_ngram_index_grows_with_the_sequence():

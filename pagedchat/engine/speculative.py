@@ -24,7 +24,7 @@ costs about the same for 1 or 8 positions (memory- or overhead-bound); at batch 
 compute-bound and every verified position costs real time. `DraftBudget` measures it instead of guessing:
 per batch-size class it keeps the tokens per second that steps with drafts (up to the full k) and plain
 decode steps really delivered, timed end to end with proposing and verifying, and runs the better one,
-re-running the other now and then as its measurement fades. So batch 16 on a CPU backs off to plain
+re-running the other now and then as its measurement fades (ever more rarely while it keeps losing). So batch 16 on a CPU backs off to plain
 decode where drafts do not pay, and batch 1 keeps long drafts. And when nothing waits to be admitted, the
 batch lasts as long as its sequence with the most tokens left: a sequence more than one step's drafts ahead of
 it decodes plainly (its drafts would shorten nothing and cost the step), so the batch stays full to the end
@@ -47,6 +47,8 @@ ALPHA_RATE = 0.15    # weight of each new accept/reject event in the running est
 TAU = 0.1            # draft position i is worth asking for while alpha ** i >= TAU (and the step's cap)
 PROBE_EVERY = 16     # steps between one-token probes of a proposer that cannot guess in the shadow
 BUDGET_DECAY = 0.99  # per step of a batch-size class, the weight of its earlier measurements falls by this
+FIRST_STEPS = 3      # steps each cap runs first in a batch-size class, before the better one is chosen
+MAX_BACKOFF = 4      # a cap that lost this many re-measurements in a row waits 2 ** 4 times longer for the next
 EXPLORE_WEIGHT = 2.0  # a cap whose decayed weight falls under this is run again: at least two steps'
                       # worth of measurement (one step's time is noisy), renewed every 70 steps or more
 
@@ -120,31 +122,41 @@ class NgramProposer:
         return [self._propose_one(seq, k) for seq, k in zip(seqs, ks)]
 
     def _propose_one(self, seq: Sequence, k: int) -> list[int]:
+        """Chained: each draft token is looked up again with the drafts before it as part of the key, so a
+        short (n = 1) match that led somewhere is replaced by a longer one as soon as one exists, and a copy
+        that ran into the end of a stream or a change goes on from the text's latest like place (a looping
+        reply repeats its period; a regenerated reply re-aligns with its sibling after each difference)."""
         tokens, state = seq.token_ids, seq.spec
         state.own.extend(tokens, len(tokens))
         streams = [(tokens, state.own)] + state.context
-        for n in range(min(MAX_N, len(tokens)), 0, -1):
-            key = tuple(tokens[-n:])
-            best, best_len = None, 0
-            for stream, index in streams:
-                c = index.find(key)
-                if c is not None:
-                    length = _match_length(tokens, stream, c)
-                    if length > best_len:
-                        best, best_len = _continuation(stream, c, k, stream is tokens), length
-            if best:
-                return best
-        return []
+        tail = tokens[-MAX_MATCH:]
+        start = len(tail)
+        for _ in range(k):
+            # the first token picks among streams by how far back they match; the later ones mostly go on
+            # copying, so a short comparison tells streams apart there (this runs per sequence per step)
+            token = _next_token(tail, streams, MAX_MATCH if len(tail) == start else 2 * MAX_N)
+            if token is None:
+                break
+            tail.append(token)
+        return tail[start:]
 
 
-def _continuation(stream: list[int], c: int, k: int, own: bool) -> list[int]:
-    """The k tokens that followed position c. In the sequence's own stream a recent match leaves fewer than k
-    before the end; the text is then taken to repeat with the period the match implies (len - c), as a
-    looping reply does: an overlapping copy."""
-    if not own or len(stream) - c >= k:
-        return stream[c:c + k]
-    period = stream[c:]
-    return [period[i % len(period)] for i in range(k)]
+def _next_token(tail: list[int], streams: list, compare: int) -> int | None:
+    """What followed the latest earlier occurrence of tail's last n tokens (n = 4..1, longest first); among
+    streams holding it, the one whose match extends furthest back (up to `compare` tokens) wins."""
+    for n in range(min(MAX_N, len(tail)), 0, -1):
+        key = tuple(tail[-n:])
+        hits = [(stream, c) for stream, index in streams if (c := index.find(key)) is not None]
+        if len(hits) == 1:
+            return hits[0][0][hits[0][1]]
+        if hits:
+            best, best_len = None, -1
+            for stream, c in hits:
+                length = _match_length(tail, stream, c, compare)
+                if length > best_len:
+                    best, best_len = stream[c], length
+            return best
+    return None
 
 
 def _tokens_left(seq: Sequence, max_model_len: int) -> int:
@@ -152,9 +164,9 @@ def _tokens_left(seq: Sequence, max_model_len: int) -> int:
     return min(seq.request.params.max_tokens - seq.num_output_tokens, max_model_len - seq.num_tokens)
 
 
-def _match_length(tokens: list[int], stream: list[int], c: int) -> int:
-    """How many tokens before stream[c] equal the end of `tokens` (capped at MAX_MATCH)."""
-    n, limit = 0, min(MAX_MATCH, c, len(tokens))
+def _match_length(tokens: list[int], stream: list[int], c: int, compare: int = MAX_MATCH) -> int:
+    """How many tokens before stream[c] equal the end of `tokens` (capped at `compare`)."""
+    n, limit = 0, min(compare, c, len(tokens))
     while n < limit and stream[c - 1 - n] == tokens[-1 - n]:
         n += 1
     return n
@@ -185,31 +197,40 @@ class DraftBudget:
     sequences, by powers of two) and per cap (the full k, or 0 = plain decode): exponentially weighted sums of
     the tokens the step emitted and the seconds it took. A step runs the cap with the best tokens per second;
     a cap not measured lately (weight under EXPLORE_WEIGHT, scaled down by how far it lost) runs instead, so a
-    change in the text or the batch is noticed. The clock is the engine's (CPU time on a CPU)."""
+    change in the text or the batch is noticed. Each re-measurement that loses again halves that weight
+    threshold (up to MAX_BACKOFF times), so an arm that keeps losing costs ever fewer steps; a win resets it.
+    The clock is the engine's (CPU time on a CPU)."""
 
     def __init__(self, max_k: int):
         self.caps = [max_k, 0]
-        self.sums: dict[int, list[list[float]]] = {}  # class -> per cap [weight, tokens, seconds]
+        # class -> per cap [weight, tokens, seconds, steps ever, re-measurements lost in a row]
+        self.sums: dict[int, list[list[float]]] = {}
+
+    def _arms(self, decodes: int) -> list[list[float]]:
+        return self.sums.setdefault(decodes.bit_length(), [[0.0, 0.0, 0.0, 0, 0] for _ in self.caps])
 
     def choose(self, decodes: int) -> int:
-        arms = self.sums.setdefault(decodes.bit_length(), [[0.0, 0.0, 0.0] for _ in self.caps])
-        for cap, (weight, _, _) in zip(self.caps, arms):
-            if weight < EXPLORE_WEIGHT:
+        arms = self._arms(decodes)
+        for cap, arm in zip(self.caps, arms):
+            if arm[3] < FIRST_STEPS:
                 return cap  # not measured yet
-        rates = [tokens / max(seconds, 1e-12) for _, tokens, seconds in arms]
+        rates = [tokens / max(seconds, 1e-12) for _, tokens, seconds, _, _ in arms]
         best = max(rates)
-        for cap, (weight, _, _), rate in zip(self.caps, arms, rates):
-            # a cap that lost by far is measured again less often (its weight must fade further)
-            if weight < EXPLORE_WEIGHT * (rate / best) ** 2:
+        for cap, (weight, _, _, _, lost), rate in zip(self.caps, arms, rates):
+            # a cap that lost by far, or lost again and again, is measured again less often
+            if weight < EXPLORE_WEIGHT * (rate / best) ** 2 / 2 ** lost:
                 return cap
         return self.caps[rates.index(best)]
 
     def observe(self, decodes: int, cap: int, tokens: int, seconds: float) -> None:
-        arms = self.sums.setdefault(decodes.bit_length(), [[0.0, 0.0, 0.0] for _ in self.caps])
+        arms = self._arms(decodes)
         for arm in arms:
-            arm[:] = [x * BUDGET_DECAY for x in arm]
+            arm[:3] = [x * BUDGET_DECAY for x in arm[:3]]
         arm = arms[self.caps.index(cap)]
-        arm[0], arm[1], arm[2] = arm[0] + 1.0, arm[1] + tokens, arm[2] + seconds
+        arm[0], arm[1], arm[2], arm[3] = arm[0] + 1.0, arm[1] + tokens, arm[2] + seconds, arm[3] + 1
+        if arm[3] > FIRST_STEPS:
+            rates = [t / max(sec, 1e-12) for _, t, sec, _, _ in arms]
+            arm[4] = min(arm[4] + 1, MAX_BACKOFF) if rates[self.caps.index(cap)] < max(rates) else 0
 
 
 class Speculator:
@@ -233,6 +254,13 @@ class Speculator:
         self._cap = self.budget.choose(decodes) if self.budget is not None and decodes else self.max_k
         most_left = max((_tokens_left(s, self.max_model_len) for s in running), default=0) if closed else 0
         self._most_left = most_left if closed else None
+        if self._cap == 0:
+            # the budget chose plain decode for the whole step: no lookups, no shadow guesses (their per-
+            # sequence Python would be most of what speculation still costs here; alpha waits until drafts
+            # pay again)
+            for seq in running:
+                seq.draft_ids = []
+            return
         seqs, ks = [], []
         for seq in running:
             seq.draft_ids = []
