@@ -366,9 +366,11 @@ class SpeculatingMachine(EngineMachine):
     rolled back when rejected, and must leave the pool exactly as the invariants above demand."""
     ENGINE = {"speculate": "ngram", "num_draft_tokens": 4}
 
-    def __init__(self):
-        super().__init__()
-        # every draft verified: the measured draft budget (timings of a model-free engine) must not thin them out
+    def _start_engine(self):
+        super()._start_engine()
+        # Every draft verified: the measured draft budget (timings of a model-free engine) must not thin them
+        # out, and its wall-clock choices would make a replayed program schedule differently (hypothesis'
+        # FlakyStrategyDefinition). Set on every start: a killed restart builds a new engine.
         self.engine.speculator.budget = None
 
     def teardown(self):
