@@ -103,7 +103,7 @@ def _liven_gemma(model) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(0.0, 1.0)
-        model.model.embed_tokens.weight.mul_(0.1)
+        model.get_input_embeddings().weight.mul_(0.1)
 
 
 def build_model(arch: str, path: Path, seed: int = 0, with_tokenizer: bool = True, **overrides):
@@ -120,5 +120,24 @@ def build_model(arch: str, path: Path, seed: int = 0, with_tokenizer: bool = Tru
     model.eval()
     if arch.startswith("gemma"):
         _liven_gemma(model)
+    model.save_pretrained(path)
+    return model
+
+
+def build_gemma3_vision_language(path: Path, seed: int = 0):
+    """A Gemma 3 vision-language checkpoint (Gemma3ForConditionalGeneration, the layout of Gemma 3 from 4B
+    up) whose text model is the gemma3 test config, with a one-layer image tower pagedchat does not load."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(path)
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=make_config("gemma3").to_dict(), vision_config=vision.to_dict(),
+                          mm_tokens_per_image=4, image_token_index=317, boi_token_index=318, eoi_token_index=319)
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    _liven_gemma(model)
     model.save_pretrained(path)
     return model

@@ -97,3 +97,14 @@ def test_freed_prefix_is_reused_lru_and_evicted_last():
     # then the tail of the freed prefix goes before its head
     assert pool.allocate() == b
     assert pool.lookup(None, (1, 2)) == (a, h)
+
+
+def test_writing_into_an_owned_hashed_block_drops_it_from_the_index():
+    """A fork from an earlier point of a branch shares that branch's full block; once the branch's pin is
+    dropped the fork owns it alone and writes into it in place: it must no longer be a prefix-cache hit."""
+    pool = BlockPool(num_blocks=4, block_size=2)
+    table = [pool.allocate()]
+    pool.register(table[0], None, (1, 2))
+    assert pool.copy_on_write(table, 0) is None and pool.ref_count[table[0]] == 1
+    assert pool.lookup(None, (1, 2)) is None
+    pool.check_invariants([table])

@@ -133,7 +133,8 @@ def test_models_show_names_the_family(typer_cli, model_dirs, arch):
 
 def test_gemma_releases_window_blocks_and_follow_ups_stay_exact(model_dirs):
     """Window groups give blocks back as a chat grows; a follow-up turn from the pinned branch and a
-    branch from an earlier point (whose window blocks are gone: recomputed) both match transformers."""
+    branch from an earlier point (whose window blocks the branch has released: found again in the prefix
+    cache) both reuse KV and match transformers."""
     engine, hf = engine_for(model_dirs, "gemma3", block_size=8), model_dirs["gemma3"][1]
     window = hf.config.sliding_window
     groups = engine.runner.kv_groups
@@ -144,12 +145,12 @@ def test_gemma_releases_window_blocks_and_follow_ups_stay_exact(model_dirs):
     dead = (head.num_computed - window + 1) // 8
     assert dead > 0 and all(t[:dead] == [-1] * dead for t in head.window_tables)
     assert engine.pool.num_used == len(head.block_table) + 2 * (len(head.block_table) - dead)
-    for follow_up, reused in ((first.token_ids_all + [7, 8, 9], True), (prompt[:30] + [11, 12], False)):
+    for follow_up, reused in ((first.token_ids_all + [7, 8, 9], head.num_computed), (prompt[:30] + [11, 12], 24)):
         rid = engine.add_request(follow_up, GREEDY.with_(max_tokens=24), parent=head)
         while not engine.requests[rid].finished:
             engine.step()
         out = engine.pop_output(rid)
-        assert (out.prefix_hit_tokens > 0) == reused
+        assert out.prefix_hit_tokens == reused
         assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, follow_up, 24))
     engine.check_invariants()
 
@@ -165,3 +166,17 @@ def test_gemma_prefix_cache_hits_window_blocks_released_but_still_cached(model_d
     assert out.prefix_hit_tokens == 48
     assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, second, 24))
     engine.check_invariants()
+
+
+def test_gemma3_vision_language_checkpoint_serves_its_text_model(tmp_path, typer_cli):
+    """Gemma 3 from 4B up ships as Gemma3ForConditionalGeneration: its text model is loaded (image tower
+    skipped) and its greedy tokens equal transformers' generate on text input."""
+    from hf_models import build_gemma3_vision_language
+
+    hf = build_gemma3_vision_language(tmp_path / "gemma3_vl")
+    engine = Engine(EngineConfig(model=str(tmp_path / "gemma3_vl"), num_blocks=256), show_progress=False)
+    prompt = PROMPTS[0]
+    out = engine.generate([prompt], GREEDY.with_(max_tokens=24))[0]
+    assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, 24))
+    shown = json.loads(typer_cli("models", "show", str(tmp_path / "gemma3_vl"), "--json").output)
+    assert {s["key"]: s["value"] for s in shown["settings"]}["family"].startswith("gemma3: ")

@@ -150,8 +150,10 @@ class BlockPool:
         """Make table[index] private before a write. Returns the (src, dst) copy to perform, if any."""
         block = table[index]
         if self.ref_count[block] == 1:
-            # We own it alone. A hashed block is about to change content only if we rewrite it, which we
-            # never do for full blocks; a partial block is never hashed.
+            # We own it alone: write in place. A full, hashed block is written into again only by a fork
+            # from an earlier point of a branch whose pin was dropped since (its other owner): the block
+            # stops holding the tokens it is indexed under, so it leaves the index.
+            self._forget_hash(block)
             return None
         new = self.allocate()
         self.decref(block)

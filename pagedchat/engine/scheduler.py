@@ -198,7 +198,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> None:
         """Reuse computed KV at admission: fork a pinned parent, else walk the prefix cache (the pool, then
         the tiers below it)."""
-        bs, tokens = self.block_size, seq.token_ids
+        tokens = seq.token_ids
         limit = seq.num_tokens - 1  # the last token is always computed: its logits are sampled
         parent = seq.parent
         seq.tier_hits = (0, 0)
@@ -206,36 +206,44 @@ class Scheduler:
             seq.num_computed = 0
         elif parent is not None and parent.status == SeqStatus.PINNED:
             k = _common_prefix(tokens, parent.token_ids, min(parent.num_computed, limit))
-            if self.windows:
-                k = self.windows.usable_prefix(parent, k)
-            self.fork_into(parent, seq, k)
             self.touch_pin(parent)
+            if self.windows and self.windows.usable_prefix(parent, k) < k:
+                # A fork at an earlier point whose window blocks the parent has released: the prefix
+                # cache may still hold them (released blocks stay cached until reused).
+                self._match_cached(seq, limit)
+            else:
+                self.fork_into(parent, seq, k)
         else:
-            loads: list[tuple[int, torch.Tensor]] = []
-            hits = {"ram": 0, "disk": 0}
-            for i in range(limit // bs):
-                h = seq.block_hashes[-1] if seq.block_hashes else None
-                block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-                found = self.pool.lookup(h, block_tokens)
-                if found is not None:
-                    block, key = found
-                    self.pool.incref(block)
-                else:
-                    loaded = self._load_from_tiers(h, block_tokens)
-                    if loaded is None:
-                        break
-                    (block, key, payload), tier = loaded
-                    loads.append((block, payload))
-                    hits[tier] += bs
-                seq.block_table.append(block)
-                seq.block_hashes.append(key)
-            if self.windows and seq.block_table:
-                self._free_tail(seq, self.windows.attach_cached(seq, seq.block_hashes))
-                del seq.block_hashes[len(seq.block_table):]
-            if loads:
-                self.tiers.load([b for b, _ in loads], [p for _, p in loads])
-            seq.num_computed = len(seq.block_table) * bs
-            seq.tier_hits = (hits["ram"], hits["disk"])
+            self._match_cached(seq, limit)
+
+    def _match_cached(self, seq: Sequence, limit: int) -> None:
+        """Walk the prefix cache over the full blocks of the first `limit` tokens: the pool, then the tiers."""
+        bs, tokens = self.block_size, seq.token_ids
+        loads: list[tuple[int, torch.Tensor]] = []
+        hits = {"ram": 0, "disk": 0}
+        for i in range(limit // bs):
+            h = seq.block_hashes[-1] if seq.block_hashes else None
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            found = self.pool.lookup(h, block_tokens)
+            if found is not None:
+                block, key = found
+                self.pool.incref(block)
+            else:
+                loaded = self._load_from_tiers(h, block_tokens)
+                if loaded is None:
+                    break
+                (block, key, payload), tier = loaded
+                loads.append((block, payload))
+                hits[tier] += bs
+            seq.block_table.append(block)
+            seq.block_hashes.append(key)
+        if self.windows and seq.block_table:
+            self._free_tail(seq, self.windows.attach_cached(seq, seq.block_hashes))
+            del seq.block_hashes[len(seq.block_table):]
+        if loads:
+            self.tiers.load([b for b, _ in loads], [p for _, p in loads])
+        seq.num_computed = len(seq.block_table) * bs
+        seq.tier_hits = (hits["ram"], hits["disk"])
 
     def _load_from_tiers(self, parent: bytes | None, block_tokens: tuple[int, ...]):
         """((fresh pool block, key, payload), tier) for a block a lower tier holds, indexed in the pool

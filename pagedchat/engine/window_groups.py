@@ -13,7 +13,8 @@ Why this stays correct:
   - forks (n variants, Engine.fork) continue from the parent's position: they never need what it released,
     and copy its -1 entries as they are;
   - a new turn forked from a pinned branch at an earlier point k (an edit, a regenerate) needs the blocks
-    of keys k - window + 1 .. k - 1: `usable_prefix` gives k only when they are all live, else 0 (recompute);
+    of keys k - window + 1 .. k - 1: `usable_prefix` gives k only when they are all live in the parent;
+    else the scheduler walks the prefix cache instead (below), which may still hold them;
   - the chained-hash prefix cache keys each window group's blocks by (chain hash, group) in the one pool's
     table (block_pool.group_key); a released block that had become full stays cached, free, until it is
     reused. A hit of k tokens needs the global blocks of 0..k-1 and, in every window group, the blocks of

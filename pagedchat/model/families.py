@@ -84,12 +84,26 @@ FAMILIES = (
     Family("qwen3_moe", "Qwen3-MoE (mixture of experts)", ("Qwen3MoeForCausalLM",), _moe),
     Family("mixtral", "Mixtral (mixture of experts)", ("MixtralForCausalLM",), _moe),
     Family("gemma2", "Gemma 2 (sliding-window + global layers)", ("Gemma2ForCausalLM",), _gemma, windowed=True),
-    Family("gemma3", "Gemma 3 text (sliding-window + global layers)", ("Gemma3ForCausalLM",), _gemma,
-           windowed=True),
+    Family("gemma3", "Gemma 3 text (sliding-window + global layers)",
+           ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), _gemma, windowed=True),
 )
+
+# Vision-language checkpoints whose text model is a family above (Gemma 3 from 4B up ships this way): their
+# text model is loaded and serves text; the image tower is not loaded.
+TEXT_PART_OF = ("Gemma3ForConditionalGeneration",)
 
 SUPPORTED_ARCHITECTURES = tuple(a for f in FAMILIES for a in f.architectures)
 
 
 def family_for(architecture: str | None) -> Family | None:
     return next((f for f in FAMILIES if architecture in f.architectures), None)
+
+
+def text_part(config):
+    """The text config of a vision-language checkpoint (TEXT_PART_OF), under the checkpoint's
+    architecture so the family is still found; any other config as it is."""
+    if not config.architectures or config.architectures[0] not in TEXT_PART_OF:
+        return config
+    text = config.text_config
+    text.architectures = list(config.architectures)
+    return text

@@ -153,6 +153,19 @@ class GemmaModel(nn.Module):
     def kv_groups(self):
         return self.groups
 
+    def param_target(self, name: str):
+        """Checkpoint names as Llama's, after the prefix a vision-language checkpoint puts its text model
+        under (`language_model.`, or `model.language_model.` in newer saves); its image tower is skipped."""
+        from pagedchat.model.loader import _param_target
+
+        for prefix, replacement in (("model.language_model.", "model."), ("language_model.", "")):
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
+                break
+        if name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector.")):
+            return None
+        return _param_target(name, self.spec)
+
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.gemma.embed_scale, dtype=x.dtype, device=x.device)

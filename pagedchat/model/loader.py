@@ -11,7 +11,7 @@ import torch
 
 from pagedchat.dtypes import DTYPES
 from pagedchat.errors import ModelLoadError, SettingError
-from pagedchat.model.families import SUPPORTED_ARCHITECTURES, family_for
+from pagedchat.model.families import SUPPORTED_ARCHITECTURES, family_for, text_part
 from pagedchat.model.hf_config import read_config
 from pagedchat.model.llama import ArchSpec
 from pagedchat.model.tokenizer import load_fast_tokenizer
@@ -107,7 +107,7 @@ def load_config(model_dir: Path, trust_remote_code: bool = False):
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"unsupported architecture {arch!r} in {model_dir}; supported: "
                              + ", ".join(SUPPORTED_ARCHITECTURES))
-    return config
+    return text_part(config)
 
 
 def architecture_of(config) -> str | None:
