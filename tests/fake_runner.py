@@ -65,7 +65,7 @@ class ContentRunner:
         """Every window group: blocks wholly behind the window released, the rest live and holding the
         right tokens, so the next query (position >= num_computed) finds each key it can see."""
         bs, window = self.block_size, self.kv_groups.window
-        dead = max(0, seq.num_computed - window + 1) // bs
+        dead = max(0, seq.num_computed - window) // bs     # one token of slack: a fork may step back one
         assert len(seq.window_tables) == self.kv_groups.num_window_groups or not seq.block_table
         for table in seq.window_tables:
             assert len(table) == len(seq.block_table), f"{seq}: window table {table} out of step"

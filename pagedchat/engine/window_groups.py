@@ -8,7 +8,8 @@ managed by the scheduler as for any model. Each window group has a table in `Seq
 indexed like block_table, where a released block is -1.
 
 After a step has computed a sequence up to token c, the next query is at position >= c and sees keys
-> position - window: block i is dead once (i + 1) * block_size <= c - window + 1, and goes back to the pool.
+> position - window: block i is dead once (i + 1) * block_size <= c - window (one token of slack for a fork
+that steps back one token), and goes back to the pool.
 Why this stays correct:
   - forks (n variants, Engine.fork) continue from the parent's position: they never need what it released,
     and copy its -1 entries as they are;
@@ -68,8 +69,10 @@ class WindowTables:
                 table.append(self.pool.allocate())
 
     def release_behind(self, seq: Sequence) -> None:
-        """Free the blocks no future query of this sequence can see."""
-        dead = self._first_needed(seq.num_computed)
+        """Free the blocks no future query of this sequence can see, nor a fork of it: Engine.fork of a
+        sequence whose KV is complete steps the child back one token (it recomputes its last token for its own
+        logits), so what the query at num_computed - 1 sees stays too."""
+        dead = self._first_needed(max(0, seq.num_computed - 1))
         for table in seq.window_tables:
             index = min(dead, len(table)) - 1
             # Released entries form a prefix: walk back from the frontier only over the newly dead ones.
