@@ -113,7 +113,6 @@ class Grammars:
         masked[index] = masked[index].masked_fill(~allowed.to(logits.device), float("-inf"))
         return masked
 
-
     def mask_drafted(self, logits: torch.Tensor, drafts: list[int], matcher) -> torch.Tensor:
         """The 1 + k rows of a speculating sequence, row i masked by the grammar state after drafts[:i]: the
         matcher walks the drafts and is rolled back, so the tokens kept are consumed once, on append. Rows
