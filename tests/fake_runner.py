@@ -21,13 +21,18 @@ class ContentRunner:
             self.kv_groups = KVGroups(1, (0,), (0,), *window_groups)
         self.content = [[None] * block_size for _ in range(num_blocks)]
         self.pool = None            # the engine's pool, given once the engine exists (to check refcounts)
+        self.block_sharers = []     # a draft's runner over the same block ids (FakeDraftRunner)
         gen = torch.Generator().manual_seed(0)
         self.table = torch.randn(vocab, vocab, generator=gen)  # logits depend on the last token only
 
+    def copy_blocks(self, copies):
+        for runner in [self, *self.block_sharers]:
+            for src, dst in copies:
+                runner.content[dst] = list(runner.content[src])
+
     def run(self, batch):
         pool = self.pool
-        for src, dst in batch.copies:
-            self.content[dst] = list(self.content[src])
+        self.copy_blocks(batch.copies)
         samplers, rows = [], []
         for seq, n in batch.items:
             tokens = seq.token_ids + seq.draft_ids  # drafts are always scheduled whole, after the last token
@@ -74,6 +79,65 @@ class ContentRunner:
             for p in range(dead * bs, seq.num_computed):
                 got = self.content[table[p // bs]][p % bs]
                 assert got == seq.token_ids[p], f"{seq}: window slot of token {p} holds {got}"
+
+
+class FakeDraftRunner:
+    """A model-free draft over the target's block ids (engine/draft.py): it records which token each slot of
+    its own cache holds, checks that every position it reads holds its shadow's token (its KV is right, not
+    only harmless) and that it writes only into blocks of the target's live table that are private or full
+    with the same tokens, and proposes from its own next-token table."""
+
+    def __init__(self, target: ContentRunner, table: torch.Tensor):
+        self.target, self.table, self.block_size = target, table, target.block_size
+        self.content = [[None] * target.block_size for _ in range(target.num_blocks)]
+        self.proposer = None  # the DraftProposer (to find each shadow's target sequence)
+        self.writes = 0
+        target.block_sharers.append(self)
+
+    def run(self, batch):
+        targets = {id(s.seq): s.target for s in self.proposer.shadows.values()}
+        bs, pool, rows = self.block_size, self.target.pool, []
+        for seq, n in batch.items:
+            target = targets[id(seq)]
+            assert seq.block_table is target.block_table, f"the draft of {target} reads a stale table"
+            for p in range(seq.num_computed):
+                got = self.content[seq.block_table[p // bs]][p % bs]
+                assert got == seq.token_ids[p], f"draft KV of {target} at {p} holds {got}, not {seq.token_ids[p]}"
+            for p in range(seq.num_computed, seq.num_computed + n):
+                block = seq.block_table[p // bs]
+                shared_full = p // bs < target.num_computed // bs and \
+                    self.target.content[block][p % bs] == seq.token_ids[p]
+                assert pool.ref_count[block] == 1 or shared_full, f"draft write into shared block {block}"
+                self.content[block][p % bs] = seq.token_ids[p]
+                self.writes += 1
+            rows.append(seq.token_ids[-1])
+        return self.table[torch.tensor(rows)], [seq for seq, _ in batch.items]
+
+    def check_shadows(self) -> None:
+        """Every shadow's KV that counts holds its tokens, in blocks of its target's table."""
+        for shadow in self.proposer.shadows.values():
+            if shadow.resets == shadow.target.kv_resets:
+                for p in range(self.proposer._valid(shadow)):
+                    got = self.content[shadow.target.block_table[p // self.block_size]][p % self.block_size]
+                    assert got == shadow.target.token_ids[p], f"draft KV of {shadow.target} at {p} holds {got}"
+
+
+def fake_draft(engine, runner: ContentRunner, num_draft_tokens: int, disagree: float = 0.3, seed: int = 1):
+    """Switch a fake engine to a model-free draft in its pool: the target's next-token table with a share of
+    rows replaced (those drafts are rejected). Returns the FakeDraftRunner."""
+    from pagedchat.engine.draft import DraftProposer
+    from pagedchat.engine.speculative import Speculator
+
+    gen = torch.Generator().manual_seed(seed)
+    table = runner.table.clone()
+    rows = torch.rand(runner.vocab, generator=gen) < disagree
+    table[rows] = torch.randn(int(rows.sum()), runner.vocab, generator=gen)
+    draft = FakeDraftRunner(runner, table)
+    proposer = DraftProposer(draft, engine.scheduler, runner.copy_blocks, runner.vocab, engine.max_model_len)
+    draft.proposer = proposer
+    engine.speculator = engine._speculators["draft"] = Speculator("draft", num_draft_tokens, proposer,
+                                                                  engine.max_model_len)
+    return draft
 
 
 def fake_tiers(runner: ContentRunner, ram_bytes: int, disk_dir=None, disk_bytes: int = 1 << 20):

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
 
-from fake_runner import fake_engine
+from fake_runner import fake_draft, fake_engine
 from pagedchat.engine import SamplingParams
 from pagedchat.engine import sequence as sequence_module
 from pagedchat.engine.kv_disk import block_files
@@ -415,6 +415,84 @@ def test_engine_state_machine_speculating():
     assert COUNTS["spec accepted"] > 0, COUNTS
     assert COUNTS["spec proposed"] > COUNTS["spec accepted"], f"no draft was ever rolled back: {COUNTS}"
     for path in ("engine preemptions", "preempted", "cow copies", "finish", "prefix hit tokens"):
+        assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
+
+
+class PlainBudget:
+    """A draft budget that chooses plain decode for every step."""
+
+    def choose(self, decodes):
+        return 0
+
+    def observe(self, *args):
+        pass
+
+
+class DraftSpeculatingMachine(SpeculatingMachine):
+    """The same with a (model-free) draft model whose KV lives in the engine's pool: no allocator of its own,
+    its shadows read their targets' live tables. After every rule: the pool's invariants with no draft table
+    in them, every shadow's computed positions inside its target's table and holding its tokens' draft KV
+    (the fake draft also checks every position it reads, and that it writes only into private blocks or full
+    shared ones with the same tokens)."""
+
+    def _start_engine(self):
+        super()._start_engine()
+        self.draft = fake_draft(self.engine, self.runner, num_draft_tokens=4)
+        self.engine.speculator.budget = None
+
+    @rule(count=st.integers(1, 6))
+    def plain_steps(self, count):
+        """Steps the draft budget runs without drafts: nothing proposes, so no shadow is synced or dropped
+        meanwhile, and a sequence can be preempted and readmitted into other blocks before it drafts again."""
+        speculator = self.engine.speculator
+        speculator.budget = PlainBudget()
+        try:
+            self.step(count)
+        finally:
+            speculator.budget = None
+        COUNTS["plain steps"] += count
+
+    @precondition(lambda self: any(s.seq.num_computed for s in self.draft.proposer.shadows.values()))
+    @rule(data=st.data(), tail=st.lists(st.integers(2, 23), min_size=1, max_size=12))
+    def preempt_while_plain(self, data, tail):
+        """Preempt a sequence whose draft holds KV, let a new request take freed blocks, and run plain steps
+        until it decodes again: its shadow outlived the release of its blocks (nothing proposed meanwhile),
+        and must start again from 0 rather than trust KV now in other blocks."""
+        shadows = [s for s in self.draft.proposer.shadows.values() if s.seq.num_computed]
+        seq = data.draw(st.sampled_from(shadows)).target
+        if seq.status != SeqStatus.RUNNING:
+            return
+        self.engine.scheduler._preempt(seq)
+        self._add(STEMS[2] + tail, SamplingParams(temperature=0, max_tokens=4))
+        speculator = self.engine.speculator
+        speculator.budget = PlainBudget()
+        try:
+            for _ in range(40):
+                if seq.status != SeqStatus.WAITING and seq.num_computed >= seq.num_tokens - 1:
+                    break
+                self._step()
+        finally:
+            speculator.budget = None
+        COUNTS["shadows outliving a release"] += seq.seq_id in self.draft.proposer.shadows and \
+            seq.status == SeqStatus.RUNNING
+
+    @invariant()
+    def draft_kv_is_right(self):
+        self.draft.check_shadows()
+
+    def teardown(self):
+        COUNTS["draft writes"] += self.draft.writes
+        super().teardown()
+
+
+def test_engine_state_machine_draft_model_in_the_pool():
+    COUNTS.clear()
+    run_state_machine_as_test(DraftSpeculatingMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
+    print(f"\ndraft-model state machine: {dict(COUNTS)}")
+    assert COUNTS["spec accepted"] > 0 and COUNTS["draft writes"] > 0, COUNTS
+    assert COUNTS["spec proposed"] > COUNTS["spec accepted"], f"no draft was ever rolled back: {COUNTS}"
+    for path in ("engine preemptions", "preempted", "cow copies", "finish", "prefix hit tokens", "plain steps",
+                 "shadows outliving a release"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
 
 

@@ -107,12 +107,18 @@ class Engine:
             if method == "ngram":
                 proposer = NgramProposer()
             else:
-                from pagedchat.engine.draft import DraftProposer
-
-                proposer = DraftProposer(self.draft, self.config, self.runner.num_blocks, self.loaded.spec.vocab_size)
+                proposer = self._draft_proposer()
             self._speculators[method] = Speculator(method, self.config.num_draft_tokens, proposer,
                                                    self.max_model_len)
         self.speculator = self._speculators[method]
+
+    def _draft_proposer(self):
+        """The draft model's proposer, its KV in this engine's pool (engine/draft.py)."""
+        from pagedchat.engine.draft import DraftProposer, draft_runner
+
+        runner = draft_runner(self.draft, self.config, self.runner)
+        return DraftProposer(runner, self.scheduler, self.runner.copy_blocks, self.loaded.spec.vocab_size,
+                             self.draft.max_model_len)
 
     @property
     def device(self) -> torch.device:
@@ -583,7 +589,7 @@ class Engine:
         self.pool.check_invariants(self.scheduler.all_tables())
         draft = self._speculators.get("draft")
         if draft is not None:
-            draft.proposer.pool.check_invariants(draft.proposer.tables())
+            draft.proposer.check_invariants(self.pool)
 
 
 def _sequence(handle: Branch | Sequence | None) -> Sequence | None:

@@ -44,9 +44,11 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, extra_bytes_per_block: int = 0):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, extra_bytes_per_block: int = 0,
+                 layer_groups: bool = True):
         """extra_bytes_per_block: what each block also costs elsewhere (a draft model's KV for as many
-        tokens), so the memory budget is split between the two by bytes per token."""
+        tokens), so the memory budget is split between the two by bytes per token. layer_groups=False: one
+        table for every layer even in a sliding-window model (a draft's, engine/draft.py)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
@@ -54,7 +56,7 @@ class ModelRunner:
         spec = loaded.spec
         # Models with sliding-window layer groups (window_groups.py): a block holds `num_slots` layers, and
         # each layer reads the cache tensor of its slot through its group's block table.
-        self.kv_groups = self.model.kv_groups() if hasattr(self.model, "kv_groups") else None
+        self.kv_groups = self.model.kv_groups() if layer_groups and hasattr(self.model, "kv_groups") else None
         num_slots = self.kv_groups.num_slots if self.kv_groups else spec.num_layers
         slots = self.kv_groups.layer_slot if self.kv_groups else range(spec.num_layers)
         self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size) * num_slots // spec.num_layers
@@ -71,6 +73,9 @@ class ModelRunner:
         for moe in getattr(self.model, "moe_layers", list)():
             moe.backend = backend
         self.backend = backend
+        # Runners whose caches are indexed by this pool's block ids too (a draft model's): every block copy
+        # (copy-on-write, forks) is made in their caches as well.
+        self.block_sharers: list[ModelRunner] = []
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and not self._window_groups():
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
@@ -172,7 +177,9 @@ class ModelRunner:
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
             src, dst = zip(*copies)
-            kernels.copy_blocks_all_layers(self.k_caches, self.v_caches, list(src), list(dst), backend=self.backend)
+            for runner in [self, *self.block_sharers]:
+                kernels.copy_blocks_all_layers(runner.k_caches, runner.v_caches, list(src), list(dst),
+                                               backend=self.backend)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:

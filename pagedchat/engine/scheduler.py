@@ -54,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.pins: OrderedDict[int, Sequence] = OrderedDict()  # least recently used first
         self.num_preemptions = 0
+        self._reserved_ahead = False  # reserve_for_drafts took blocks this step: schedule gives back the unused
 
     # -- queues ---------------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -71,6 +72,12 @@ class Scheduler:
 
     # -- the step -------------------------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
+        batch = self._schedule()
+        if self._reserved_ahead:
+            self._give_back_unverified(batch)
+        return batch
+
+    def _schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         i = 0
@@ -151,6 +158,40 @@ class Scheduler:
         if seq.draft_ids:
             del seq.draft_ids[max(0, budget - n):]
         return min(n + len(seq.draft_ids), budget)
+
+    def reserve_for_drafts(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        """Before a draft model writes KV for k drafts of each sequence (engine/draft.py), in blocks of the
+        sequence's own table: the table is made to cover the verify step's 1 + k positions, and its blocks from
+        the computed frontier on private (copy-on-write now; the copies are returned, for the caller to make on
+        the device before the draft's forward). Drafts take only blocks that no running sequence's own next
+        tokens need, and evict no pin: a sequence they do not fit drafts nothing (k = 0). Blocks of drafts
+        that `schedule` then does not verify are given back there."""
+        spare = self.pool.num_free - sum(
+            self._blocks_needed(s, min(s.num_tokens - s.num_computed, self.max_num_batched_tokens))
+            for s in self.running if not _waits_for_siblings(s))
+        fitted, copies = [], []
+        for seq, k in zip(seqs, ks):
+            extra = self._blocks_needed(seq, 1 + k) - self._blocks_needed(seq, 1) if k else 0
+            if k and extra > spare:
+                k = 0
+            if k:
+                self._reserve(seq, 1 + k, copies)
+                spare -= extra
+                self._reserved_ahead = True
+            fitted.append(k)
+        return fitted, copies
+
+    def _give_back_unverified(self, batch: ScheduledBatch) -> None:
+        """After reserve_for_drafts: tail blocks past what this step computes (drafts cut by the token budget
+        or dropped, a sequence not scheduled) go back; they hold only the draft's KV of unverified proposals."""
+        self._reserved_ahead = False
+        if self.reserve_upfront:  # a reserved table keeps its whole reply's blocks
+            return
+        scheduled = {seq.seq_id: n for seq, n in batch.items}
+        for seq in self.running:
+            keep = self.blocks_for(seq.num_computed + scheduled.get(seq.seq_id, 0))
+            if len(seq.block_table) > keep:
+                self._free_tail(seq, keep)
 
     def roll_back(self, seq: Sequence) -> None:
         """After verification: give back the tail blocks that hold only rejected draft slots (they were
@@ -317,6 +358,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         seq.draft_ids = []
+        seq.kv_resets += 1
         self.pool.free_table(seq.block_table)
         if self.windows:
             self.windows.free(seq)

@@ -34,6 +34,8 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chain keys of the leading full, computed blocks
         self.window_tables: list[list[int]] = []  # sliding-window layer groups' tables (window_groups.py)
         self.num_computed = 0               # tokens whose K/V are in the pool
+        self.kv_resets = 0                  # times all its blocks were released (preemption, abort): a
+                                            # draft model's KV kept beside them is gone too (draft.py)
         self.tier_hits = (0, 0)             # (RAM, disk) tokens loaded back at the last admission
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
