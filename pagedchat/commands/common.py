@@ -49,4 +49,5 @@ SERVER = typer.Option(None, "--server", metavar="URL",
                       help="An OpenAI-compatible server (pagedchat serve, vLLM, SGLang, llama.cpp) generates; -m "
                            "names the local model whose tokenizer and template render the prompt.")
 DRAFT_MODEL = typer.Option(None, "--draft-model", help="Smaller model with the same tokenizer that proposes "
-                                                       "drafts (models.toml name or folder).")
+                                                       "drafts (models.toml name or folder). Its KV shares the "
+                                                       "pool: each block also holds the draft's KV of its tokens.")

@@ -36,6 +36,11 @@ class StepRunner(Protocol):
         (in row order); (None, []) when no sequence finished its prompt this step."""
         ...
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy (src, dst) blocks now, in every cache indexed by the pool's block ids (used only with a draft
+        model: engine/draft.py copies shared blocks before the draft writes)."""
+        ...
+
 
 @dataclass
 class VocabSpec:
