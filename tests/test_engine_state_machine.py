@@ -433,7 +433,11 @@ class DraftSpeculatingMachine(SpeculatingMachine):
     its shadows read their targets' live tables. After every rule: the pool's invariants with no draft table
     in them, every shadow's computed positions inside its target's table and holding its tokens' draft KV
     (the fake draft also checks every position it reads, and that it writes only into private blocks or full
-    shared ones with the same tokens)."""
+    shared ones with the same tokens).
+    No RAM/disk tiers here: a block loaded back from them goes only to a sequence being admitted, whose draft
+    starts at 0 like after any release (covered by prefix hits and `preempt_while_plain`); and the disk tier
+    trims by file mtime, whose ties made replays of a long program differ (hypothesis: flaky strategy)."""
+    TIER_MODES = ("none",)
 
     def _start_engine(self):
         super()._start_engine()
@@ -491,8 +495,9 @@ def test_engine_state_machine_draft_model_in_the_pool():
     print(f"\ndraft-model state machine: {dict(COUNTS)}")
     assert COUNTS["spec accepted"] > 0 and COUNTS["draft writes"] > 0, COUNTS
     assert COUNTS["spec proposed"] > COUNTS["spec accepted"], f"no draft was ever rolled back: {COUNTS}"
-    for path in ("engine preemptions", "preempted", "cow copies", "finish", "prefix hit tokens", "plain steps",
-                 "shadows outliving a release"):
+    # ("shadows outliving a release" is printed, not required: whether a preempted sequence is back before
+    # the program's next proposal depends on the seed; test_speculative checks that path every run)
+    for path in ("engine preemptions", "preempted", "cow copies", "finish", "prefix hit tokens", "plain steps"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
 
 

@@ -8,9 +8,10 @@ import random
 import pytest
 import torch
 
-from fake_runner import EOS, fake_engine
+from fake_runner import EOS, fake_draft, fake_engine
 from hf_models import ARCHS
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
+from pagedchat.engine.sequence import SeqStatus
 from pagedchat.engine.speculative import FIRST_STEPS, DraftBudget, NgramProposer, SpecState
 from test_engine_equality import check
 
@@ -251,6 +252,40 @@ def test_draft_budget_backs_off_from_a_cap_that_keeps_losing():
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] > 1.5 * gaps[0]  # ever rarer re-measurement
     assert chosen[-100:].count(6) > 95  # but a cap that starts winning is noticed and kept
+
+
+class _PlainBudget:
+    """A draft budget choosing plain decode every step (nothing proposes)."""
+    choose = staticmethod(lambda decodes: 0)
+    observe = staticmethod(lambda *args: None)
+
+
+def test_draft_restarts_after_its_blocks_were_released_while_nothing_proposed():
+    """A sequence preempted during plain steps (the budget's: nothing proposes, so no shadow is synced or
+    dropped), readmitted and decoding again before anything proposes: its draft's shadow outlived the release
+    of its blocks and must recompute from 0, not trust positions whose blocks may now be other ones."""
+    engine, runner = fake_engine(num_blocks=12, block_size=8)
+    draft = fake_draft(engine, runner, num_draft_tokens=3, disagree=0.0)
+    engine.speculator.budget = None
+    rid = engine.add_request([2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    seq = engine.requests[rid].sequences[0]
+    while seq.num_output_tokens < 8:
+        engine.step()
+    shadow = draft.proposer.shadows[seq.seq_id]
+    assert shadow.seq.num_computed > 8
+    engine.speculator.budget = _PlainBudget()
+    engine.scheduler._preempt(seq)
+    while seq.status != SeqStatus.RUNNING or seq.num_computed < seq.num_tokens - 1:
+        engine.step()
+    assert draft.proposer.shadows[seq.seq_id] is shadow and shadow.resets != seq.kv_resets
+    engine.speculator.budget = None
+    run, starts = draft.run, []
+    draft.run = lambda batch: (starts.append(batch.items[0][0].num_computed), run(batch))[1]
+    for _ in engine.steps([rid]):
+        engine.check_invariants()
+        draft.check_shadows()
+    assert starts[0] == 0, f"the draft went on from position {starts[0]} of blocks released since"
+    assert engine.speculator.stats.accepted_tokens > 0
 
 
 def test_closed_batch_drafts_only_for_the_sequences_furthest_from_done():
