@@ -94,6 +94,8 @@ class DraftProposer:
         live = [(self._sync(seq), k) for seq, k in zip(seqs, ks) if k]
         for step in range(max((k for _, k in live), default=0)):
             self._forward([shadow for shadow, k in live if step < k])
+        for shadow, _ in live:
+            self._keep_held(shadow)
         drafts = {shadow.target.seq_id: self._drafts(shadow, k) for shadow, k in live}
         return [drafts.get(seq.seq_id, []) for seq in seqs]
 
@@ -124,6 +126,15 @@ class DraftProposer:
         while valid < limit and seq.token_ids[valid] == target.token_ids[valid]:
             valid += 1
         return valid
+
+    def _keep_held(self, shadow: Shadow) -> None:
+        """Trust only the positions in blocks the target already holds (those of its computed tokens, the
+        partial one included): they change only by a copy-on-write (copied) or a release (`kv_resets`). The
+        blocks just reserved for this step may be given back unverified (Scheduler._give_back_unverified)
+        and the same token computed later in another block; the draft recomputes that part (at most k - 1
+        positions, once per block boundary)."""
+        held = -(-shadow.target.num_computed // self.block_size) * self.block_size
+        shadow.seq.num_computed = min(shadow.seq.num_computed, held)
 
     def _forward(self, shadows: list[Shadow]) -> None:
         """One draft forward: each shadow computes its uncomputed tokens and appends its greedy next one.
