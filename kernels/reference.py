@@ -97,10 +97,21 @@ class _DecodePlan:
         offsets = torch.arange(block_size, device=device)
         self.slots = (table[:, :, None] * block_size + offsets).flatten(1)[:, :self.max_len].reshape(-1)
         self.shape = (table.shape[0], self.max_len)
+        # One sequence whose blocks are consecutive (the pool hands out a table's next block when it can) is
+        # read in place: the gather copies the whole context twice per layer, which is most of a long
+        # context's decode attention on CPU. Same values, same SDPA call: the same result.
+        self.first_slot = None
+        if table.shape[0] == 1 and self.max_len:
+            ids = table[0].tolist()
+            if ids == list(range(ids[0], ids[0] + len(ids))):
+                self.first_slot = ids[0] * block_size
 
     def gather(self, cache: torch.Tensor) -> torch.Tensor:
         """[B, max_len, Hkv, D]: the plan's slots of `cache` (same values as gather_kv over the table)."""
-        return _flat_slots(cache).index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
+        flat = _flat_slots(cache)
+        if self.first_slot is not None:
+            return flat.narrow(0, self.first_slot, self.max_len).view(*self.shape, *cache.shape[2:])
+        return flat.index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
 
     def matches(self, block_tables, seq_lens, lens, block_size, device) -> bool:
         tables, lengths, *rest = self.key

@@ -154,6 +154,26 @@ def test_decode_ref_paths_match_naive(batch):
         torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("length", [1, 16, 37, 200])
+def test_decode_ref_reads_a_consecutive_table_in_place_with_the_same_result(length):
+    """One sequence whose blocks are consecutive is read in place (no gather): bit for bit the result of the
+    same context laid out in scattered blocks."""
+    gen = torch.Generator().manual_seed(length)
+    block_size, blocks = 8, -(-length // 8)
+    k_cache = torch.randn(64, block_size, 2, 16, generator=gen)
+    v_cache = torch.randn(64, block_size, 2, 16, generator=gen)
+    consecutive = torch.arange(3, 3 + blocks, dtype=torch.int32)[None]
+    scattered = torch.arange(62, 62 - 2 * blocks, -2, dtype=torch.int32)  # descending, every other block
+    k2, v2 = torch.randn(k_cache.shape, generator=gen), torch.randn(v_cache.shape, generator=gen)
+    k2[scattered.long()], v2[scattered.long()] = k_cache[3:3 + blocks], v_cache[3:3 + blocks]
+    q = torch.randn(1, 4, 16, generator=gen)
+    lens = torch.tensor([length], dtype=torch.int32)
+    in_place = K.paged_decode_attention_ref(q, k_cache, v_cache, consecutive, lens, 0.25)
+    assert torch.equal(in_place, K.paged_decode_attention_ref(q, k2, v2, scattered[None], lens, 0.25))
+    want = naive_attention_row(q[0].double(), k_cache.double(), v_cache.double(), consecutive[0], length, 0.25)
+    torch.testing.assert_close(in_place[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_prefill_ref_matches_naive(seed):
     gen = torch.Generator().manual_seed(100 + seed)
