@@ -154,6 +154,27 @@ def test_decode_ref_paths_match_naive(batch):
         torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
 
 
+def test_decode_ref_groups_mixed_lengths_and_matches_naive():
+    """Mixed lengths go through several padded calls (short contexts do not pay the longest one's padding);
+    the NaN-poisoned pool shows that no padding slot reaches the output."""
+    from pagedchat.kernels.reference import group_by_length
+
+    seq_lens = [1, 300, 3, 0, 40, 210, 90, 500, 45]
+    groups = group_by_length(seq_lens)
+    assert sorted(i for g in groups for i in g) == [i for i, n in enumerate(seq_lens) if n] and len(groups) > 2
+    for g in groups:  # each group's padding is bounded: a third of its longest, or one call's worth
+        longest = max(seq_lens[i] for i in g)
+        assert all(3 * seq_lens[i] >= 2 * longest or longest - seq_lens[i] <= 64 for i in g)
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, table = make_case(seq_lens, 16, 2, 8, torch.float64, gen)
+    q = torch.randn(len(seq_lens), 4, 8, generator=gen, dtype=torch.float64)
+    out = K.paged_decode_attention_ref(q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32), 0.4)
+    assert not out.isnan().any() and out[3].eq(0).all()
+    for b, n in enumerate(seq_lens):
+        want = naive_attention_row(q[b], k_cache, v_cache, table[b], n, 0.4)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("length", [1, 16, 37, 200])
 def test_decode_ref_reads_a_consecutive_table_in_place_with_the_same_result(length):
     """One sequence whose blocks are consecutive is read in place (no gather): bit for bit the result of the
