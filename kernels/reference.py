@@ -204,7 +204,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     starts = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
     assert len(starts) == len(lens) + 1, "cu_seqlens_q must have B+1 entries"
-    if len(lens) > 1 and max(b - a for a, b in zip(starts, starts[1:])) <= _SHORT_EXTEND:
+    most_rows = max(b - a for a, b in zip(starts, starts[1:]))
+    if most_rows <= _SHORT_EXTEND and (len(lens) > 1 or most_rows < lens[0]):
         plan = _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, k_cache.shape[1], q.device)
         return _into(out, _short_extend(q, k_cache, v_cache, plan, scale, acc))
     result = out if out is not None else torch.empty_like(q)
@@ -240,24 +241,39 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
 
 
 # Batches whose sequences all add at most this many query rows (decode + speculative drafts, short chunks)
-# run as ONE padded gather + SDPA for the whole batch instead of one per sequence.
+# run as ONE padded gather + SDPA for the whole batch instead of one per sequence; so does one sequence
+# extending a cached context by a few rows (a verify step at batch 1), which then pays for its mask and
+# gather once per step instead of once per layer. A prefill from scratch keeps SDPA's own causal path.
 _SHORT_EXTEND = 64
 
 
 class _ExtendPlan:
     """A padded layout of a short-query batch, computed by a step's first layer and reused by the others:
-    queries [B, M] with M the longest row count, keys [B, L] with L the longest context."""
+    queries [B, M] with M the longest row count, keys [B, L] with L the longest context (gathered like the
+    decode plan: one index_select of precomputed pool slots per cache)."""
 
     def __init__(self, block_tables, cu_seqlens_q, seq_lens, starts: list[int], lens: list[int], block_size: int,
                  device: torch.device):
         self.key = (block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size, device)
         news = [b - a for a, b in zip(starts, starts[1:])]
-        self.rows, self.max_len = max(news), max(lens)
+        self.rows, self.max_len, self.shape = max(news), max(lens), (len(lens), max(lens))
         table = block_tables[:, : -(-self.max_len // block_size)].to(device).long()
-        owned = torch.tensor([-(-n // block_size) for n in lens], device=device)
-        self.table = table.masked_fill(torch.arange(table.shape[1], device=device) >= owned[:, None], 0)
-        # flat query row r of sequence b sits at padded row (b, i): one index for the scatter and the gather
-        self.flat = torch.tensor([b * self.rows + i for b, n in enumerate(news) for i in range(n)], device=device)
+        uniform = min(news) == self.rows and min(lens) == self.max_len
+        if not uniform:
+            # Entries past a sequence's own blocks may be garbage ids: point them at block 0, then mask.
+            owned = torch.tensor([-(-n // block_size) for n in lens], device=device)
+            table = table.masked_fill(torch.arange(table.shape[1], device=device) >= owned[:, None], 0)
+        offsets = torch.arange(block_size, device=device)
+        self.slots = (table[:, :, None] * block_size + offsets).flatten(1)[:, :self.max_len].reshape(-1)
+        # flat query row r of sequence b sits at padded row (b, i): one index for the scatter and the gather;
+        # none when every sequence has the same row count (the flat rows already are the padded layout)
+        self.flat = None if min(news) == self.rows else \
+            torch.tensor([b * self.rows + i for b, n in enumerate(news) for i in range(n)], device=device)
+        self.hidden, self.tail = None, min(lens)
+        if uniform:  # the same causal mask for every sequence (a verify step where all draft alike; batch 1)
+            causal = torch.ones(self.rows, self.max_len, dtype=torch.bool, device=device)
+            self.mask = _additive(causal.tril_(self.max_len - self.rows))  # [M, L]
+            return
         length = torch.tensor(lens, device=device)
         first = length - torch.tensor(news, device=device)  # position of each sequence's first query row
         keys = torch.arange(self.max_len, device=device)
@@ -265,9 +281,12 @@ class _ExtendPlan:
         visible &= keys[None, None, :] < length[:, None, None]
         visible[:, :, 0] = True  # padding query rows see key 0 (their output is dropped): never an empty row
         self.mask = _additive(visible[:, None])                        # [B, 1, M, L]
-        self.hidden, self.tail = None, min(lens)
         if self.tail < self.max_len:  # [B, L - tail, 1, 1]: slots past a shorter sequence's end
             self.hidden = (keys[None, self.tail:] >= length[:, None])[:, :, None, None]
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """[B, max_len, Hkv, D]: every sequence's context, padded (same values as gather_kv over the table)."""
+        return _flat_slots(cache).index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
 
     def matches(self, *key) -> bool:
         return all(a is b for a, b in zip(self.key[:3], key[:3])) and list(self.key[3:]) == list(key[3:])
@@ -286,16 +305,20 @@ def _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size,
 
 def _short_extend(q, k_cache, v_cache, plan: _ExtendPlan, scale: float, acc: torch.dtype) -> torch.Tensor:
     """Every sequence's query rows padded to [B, Hq, M, D] against its gathered, zero-padded context."""
-    batch, (total_q, num_q_heads, head_dim) = plan.table.shape[0], q.shape
-    k, v = gather_kv(k_cache, plan.table, plan.max_len), gather_kv(v_cache, plan.table, plan.max_len)
+    batch, (total_q, num_q_heads, head_dim) = plan.shape[0], q.shape
+    k, v = plan.gather(k_cache), plan.gather(v_cache)
     if plan.hidden is not None:
         _zero_hidden(k, v, plan)
-    padded = q.new_zeros((batch * plan.rows, num_q_heads, head_dim), dtype=acc)
-    padded[plan.flat] = q.to(acc)
+    if plan.flat is None:
+        padded = q.to(acc)
+    else:
+        padded = q.new_zeros((batch * plan.rows, num_q_heads, head_dim), dtype=acc)
+        padded[plan.flat] = q.to(acc)
     padded = padded.view(batch, plan.rows, num_q_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(padded, _heads_major(k, acc), _heads_major(v, acc),
                                        attn_mask=_mask(plan.mask, acc), scale=scale, enable_gqa=True)  # [B, Hq, M, D]
-    return o.transpose(1, 2).reshape(batch * plan.rows, num_q_heads, head_dim)[plan.flat].to(q.dtype)
+    o = o.transpose(1, 2).reshape(batch * plan.rows, num_q_heads, head_dim)
+    return (o if plan.flat is None else o[plan.flat]).to(q.dtype)
 
 
 def _flat_slots(cache: torch.Tensor) -> torch.Tensor:

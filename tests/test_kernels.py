@@ -212,12 +212,17 @@ def test_prefill_ref_matches_naive(seed):
             torch.testing.assert_close(out[cu[b] + j], want, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("new_tokens", [[1, 3, 7, 1, 2], [70, 2, 1, 5, 3]])  # padded batch / per sequence
-def test_prefill_ref_short_extend_and_per_sequence_paths_match_naive(new_tokens):
-    """Decode + speculative drafts: every sequence adds a few rows (one padded gather + SDPA for the batch);
-    one long chunk sends the batch through the per-sequence loop. Lengths differ, the pool is NaN-poisoned."""
+# padded batch / per sequence / equal row counts (no scatter) / all alike (one mask) / one sequence verifying
+@pytest.mark.parametrize("new_tokens,extras", [([1, 3, 7, 1, 2], [30, 0, 12, 57, 4]),
+                                               ([70, 2, 1, 5, 3], [30, 0, 12, 57, 4]),
+                                               ([4, 4, 4, 4, 4], [30, 0, 12, 57, 4]),
+                                               ([3, 3, 3], [20, 20, 20]), ([5], [30])])
+def test_prefill_ref_short_extend_and_per_sequence_paths_match_naive(new_tokens, extras):
+    """Decode + speculative drafts: every sequence adds a few rows (one padded gather + SDPA for the batch,
+    at batch 1 too); one long chunk sends the batch through the per-sequence loop. Lengths differ, the pool
+    is NaN-poisoned."""
     gen = torch.Generator().manual_seed(sum(new_tokens))
-    seq_lens = [n + extra for n, extra in zip(new_tokens, [30, 0, 12, 57, 4])]
+    seq_lens = [n + extra for n, extra in zip(new_tokens, extras)]
     k_cache, v_cache, table = make_case(seq_lens, 8, 2, 16, torch.float64, gen)
     cu = torch.tensor([0] + list(torch.tensor(new_tokens).cumsum(0)), dtype=torch.int32)
     q = torch.randn(int(cu[-1]), 6, 16, generator=gen, dtype=torch.float64)

@@ -276,6 +276,35 @@ def test_closed_batch_drafts_only_for_the_sequences_furthest_from_done():
     assert all(s.draft_ids for s in seqs)
 
 
+def test_closed_batch_of_equal_sequences_drafts_only_if_all_may_accept():
+    """Nothing waits and several sequences have the most tokens left: a drafted step shortens the run only if
+    every one of them accepts, so drafts wait until that chance (their acceptance estimates multiplied) is
+    worth it; a single furthest sequence keeps its own depth rule, and an open batch drafts as the budget says."""
+    engine, _ = fake_engine(speculate="ngram", num_draft_tokens=4)
+    spec = engine.speculator
+    spec.budget.choose = lambda decodes: 4
+    spec.proposer = RandomProposer(24)
+    seqs = []
+    for _ in range(3):
+        rid = engine.add_request([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(temperature=0, max_tokens=20))
+        seqs.append(engine.requests[rid].sequences[0])
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    for alpha, drafts in ((0.3, False), (0.9, True)):  # 0.3 ** 3 < TAU <= 0.9 ** 3
+        for seq in seqs:
+            seq.spec = seq.spec or SpecState(seq)
+            seq.spec.alpha = alpha
+        spec.propose(engine.scheduler.running, closed=True)
+        assert all(bool(s.draft_ids) == drafts for s in seqs), alpha
+    seqs[0].spec.alpha = seqs[1].spec.alpha = 0.3
+    spec.propose(engine.scheduler.running, closed=False)
+    assert all(s.draft_ids for s in seqs)
+    seqs[0].token_ids.pop()  # one sequence furthest from done: alone, its own depth (alpha 0.3: one draft)
+    seqs[0].num_computed -= 1
+    spec.propose(engine.scheduler.running, closed=True)
+    assert len(seqs[0].draft_ids) == 1
+
+
 # -- the n-gram proposer -------------------------------------------------------------------------------------
 class _Seq:
     def __init__(self, tokens, context=()):
@@ -417,4 +446,5 @@ def test_bench_spec_smoke():
         (w, b) for b in (1, 2) for w in ("edit", "regen", "plain")]
     for row in r["rows"]:
         assert row["off_tok_s"] > 0 and row["spec_tok_s"] > 0 and 0 <= row["acceptance_rate"] <= 1
+        assert row["off_cpu_tok_s"] > 0 and row["cpu_speedup"] == row["spec_cpu_tok_s"] / row["off_cpu_tok_s"]
         assert row["greedy_identical"] is (None if row["workload"] == "regen" else True), row

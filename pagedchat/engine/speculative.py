@@ -28,7 +28,10 @@ re-running the other now and then as its measurement fades (ever more rarely whi
 decode where drafts do not pay, and batch 1 keeps long drafts. And when nothing waits to be admitted, the
 batch lasts as long as its sequence with the most tokens left: a sequence more than one step's drafts ahead of
 it decodes plainly (its drafts would shorten nothing and cost the step), so the batch stays full to the end
-instead of thinning into small, costly steps.
+instead of thinning into small, costly steps. And when several sequences share that most, a step shortens the
+run by more than one token only if every one of them accepts a draft: while that chance (their acceptance
+estimates multiplied) is under TAU, the step runs plain without asking the budget, so a batch of equal
+sequences (16 replies of one length) neither drafts nor re-measures drafts it cannot use.
 """
 
 from __future__ import annotations
@@ -251,9 +254,12 @@ class Speculator:
         """Drafts for this step. closed: no request is waiting, so the run lasts as long as its sequence with
         the most tokens left, and only the sequences within one step's drafts of it draft."""
         decodes = sum(seq.num_computed == seq.num_tokens - 1 for seq in running)
-        self._cap = self.budget.choose(decodes) if self.budget is not None and decodes else self.max_k
         most_left = max((_tokens_left(s, self.max_model_len) for s in running), default=0) if closed else 0
         self._most_left = most_left if closed else None
+        self._cap = self.max_k
+        if self.budget is not None and decodes:
+            hopeless = closed and self._shortening_chance(running, most_left) < TAU
+            self._cap = 0 if hopeless else self.budget.choose(decodes)
         if self._cap == 0:
             # the budget chose plain decode for the whole step: no lookups, no shadow guesses (their per-
             # sequence Python would be most of what speculation still costs here; alpha waits until drafts
@@ -285,6 +291,17 @@ class Speculator:
                 seq.draft_ids = draft[:k]
             elif draft:
                 seq.spec.shadow = (seq.num_tokens, draft[0])
+
+    def _shortening_chance(self, running: list[Sequence], most_left: int) -> float:
+        """A closed run ends when its sequences with the most tokens left end: a step brings that closer by
+        more than one token only if every one of them accepts a draft. The chance of that, from their
+        acceptance estimates (a batch of equal sequences, as a benchmark runs, has none worth a drafted step).
+        One such sequence alone: its own depth rule decides (and keeps guessing in the shadow at depth 0)."""
+        last = [seq for seq in running if _tokens_left(seq, self.max_model_len) == most_left]
+        chance = 1.0
+        for seq in last if len(last) > 1 else []:
+            chance *= seq.spec.alpha if seq.spec is not None else ALPHA_START
+        return chance
 
     def observe_step(self, shape: StepShape, tokens: int, seconds: float, running: list[Sequence]) -> None:
         """A step ran: `tokens` emitted in `seconds`; `running` is what still runs. Only steps of decodes
