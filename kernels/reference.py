@@ -163,14 +163,6 @@ def _mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return mask if mask is None or mask.dtype == dtype else mask.to(dtype)
 
 
-def _zero_hidden(k: torch.Tensor, v: torch.Tensor, plan) -> None:
-    """Zero the gathered slots past each sequence's end (in place: the gather made fresh tensors). They are
-    masked, but the pool is not zero-filled and a masked NaN would still poison the sum. Only slots from
-    plan.tail on can be past an end."""
-    k[:, plan.tail:].masked_fill_(plan.hidden, 0)
-    v[:, plan.tail:].masked_fill_(plan.hidden, 0)
-
-
 def _decode_plan(block_tables, seq_lens, block_size: int, device) -> _DecodePlan:
     """The plan for these metadata tensors: the same objects (and lengths) as the last call reuse it."""
     global _last_plan
@@ -249,28 +241,22 @@ _SHORT_EXTEND = 64
 
 class _ExtendPlan:
     """A padded layout of a short-query batch, computed by a step's first layer and reused by the others:
-    queries [B, M] with M the longest row count, keys [B, L] with L the longest context (gathered like the
-    decode plan: one index_select of precomputed pool slots per cache)."""
+    queries [B, M] with M the longest row count, keys [B, L] with L the longest context."""
 
     def __init__(self, block_tables, cu_seqlens_q, seq_lens, starts: list[int], lens: list[int], block_size: int,
                  device: torch.device):
         self.key = (block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size, device)
         news = [b - a for a, b in zip(starts, starts[1:])]
-        self.rows, self.max_len, self.shape = max(news), max(lens), (len(lens), max(lens))
-        table = block_tables[:, : -(-self.max_len // block_size)].to(device).long()
-        uniform = min(news) == self.rows and min(lens) == self.max_len
-        if not uniform:
-            # Entries past a sequence's own blocks may be garbage ids: point them at block 0, then mask.
-            owned = torch.tensor([-(-n // block_size) for n in lens], device=device)
-            table = table.masked_fill(torch.arange(table.shape[1], device=device) >= owned[:, None], 0)
-        offsets = torch.arange(block_size, device=device)
-        self.slots = (table[:, :, None] * block_size + offsets).flatten(1)[:, :self.max_len].reshape(-1)
+        self.rows, self.max_len = max(news), max(lens)
+        # keys gathered as a decode step gathers them (padding reads each sequence's own first slot: finite,
+        # and masked below; one sequence whose blocks are consecutive is read in place)
+        self.keys = _DecodeGroup(block_tables.to(device), lens, None, block_size, device)
         # flat query row r of sequence b sits at padded row (b, i): one index for the scatter and the gather;
         # none when every sequence has the same row count (the flat rows already are the padded layout)
         self.flat = None if min(news) == self.rows else \
             torch.tensor([b * self.rows + i for b, n in enumerate(news) for i in range(n)], device=device)
-        self.hidden, self.tail = None, min(lens)
-        if uniform:  # the same causal mask for every sequence (a verify step where all draft alike; batch 1)
+        if min(news) == self.rows and min(lens) == self.max_len:
+            # the same causal mask for every sequence (a verify step where all draft alike; batch 1)
             causal = torch.ones(self.rows, self.max_len, dtype=torch.bool, device=device)
             self.mask = _additive(causal.tril_(self.max_len - self.rows))  # [M, L]
             return
@@ -281,12 +267,6 @@ class _ExtendPlan:
         visible &= keys[None, None, :] < length[:, None, None]
         visible[:, :, 0] = True  # padding query rows see key 0 (their output is dropped): never an empty row
         self.mask = _additive(visible[:, None])                        # [B, 1, M, L]
-        if self.tail < self.max_len:  # [B, L - tail, 1, 1]: slots past a shorter sequence's end
-            self.hidden = (keys[None, self.tail:] >= length[:, None])[:, :, None, None]
-
-    def gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """[B, max_len, Hkv, D]: every sequence's context, padded (same values as gather_kv over the table)."""
-        return _flat_slots(cache).index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
 
     def matches(self, *key) -> bool:
         return all(a is b for a, b in zip(self.key[:3], key[:3])) and list(self.key[3:]) == list(key[3:])
@@ -305,10 +285,8 @@ def _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size,
 
 def _short_extend(q, k_cache, v_cache, plan: _ExtendPlan, scale: float, acc: torch.dtype) -> torch.Tensor:
     """Every sequence's query rows padded to [B, Hq, M, D] against its gathered, zero-padded context."""
-    batch, (total_q, num_q_heads, head_dim) = plan.shape[0], q.shape
-    k, v = plan.gather(k_cache), plan.gather(v_cache)
-    if plan.hidden is not None:
-        _zero_hidden(k, v, plan)
+    batch, (total_q, num_q_heads, head_dim) = plan.keys.shape[0], q.shape
+    k, v = plan.keys.gather(k_cache), plan.keys.gather(v_cache)
     if plan.flat is None:
         padded = q.to(acc)
     else:
