@@ -8,7 +8,8 @@ with MKL against 13-15 ms packed (1.5x), 16 rows 1.2-1.25x, 64 rows 1.1x, 512 ro
 shapes are speculative verification (1 + k rows per sequence), batched decode (serve, variants) and short
 extends. One row (batch-1 decode) is ~12% faster through MKL's matrix-vector kernel, so it keeps the plain
 weight: the packed copy costs memory, so it is made only while the copies stay a small share of the RAM
-that is still available.
+that is still available. Small weights stay plain: oneDNN's per-call cost (~20 us) outweighs its gain below
+about 1 MiB (the demo model's 192-wide layers: 7 rows 0.7x, 16 rows 0.9x of MKL).
 
 Results differ from MKL's by float rounding (another summation order), as one GEMM shape already differs
 from another; a tied LM head (the embedding's table) stays plain.
@@ -26,6 +27,8 @@ from pagedchat.memory import available_ram
 PACK_FOR_ROWS = 8
 # The packed copies may take at most this share of the RAM still available after loading.
 MAX_RAM_SHARE = 0.25
+# Weights with fewer elements stay plain (see above): 512 x 512, the smallest layer of the small llama, is in.
+MIN_ELEMENTS = 1 << 18
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
@@ -52,13 +55,14 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Give every nn.Linear whose weight nothing else uses a packed copy (in place), if the copies fit in
-    MAX_RAM_SHARE of the available RAM; how many were packed."""
+    """Give every nn.Linear of at least MIN_ELEMENTS whose weight nothing else uses a packed copy (in place),
+    if the copies fit in MAX_RAM_SHARE of the available RAM; how many were packed."""
     counts: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         counts[id(param)] = counts.get(id(param), 0) + 1
     targets = [(module, name, child) for module in model.modules() for name, child in module.named_children()
-               if isinstance(child, nn.Linear) and counts.get(id(child.weight)) == 1]
+               if isinstance(child, nn.Linear) and counts.get(id(child.weight)) == 1
+               and child.weight.numel() >= MIN_ELEMENTS]
     extra = sum(child.weight.numel() * child.weight.element_size() for _, _, child in targets)
     if extra > MAX_RAM_SHARE * available_ram():
         return 0
