@@ -51,56 +51,99 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                out: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
-    The whole batch in a handful of ops: its block tables gathered into one padded K/V tensor, then one
-    fused SDPA call (GQA without repeating K/V). Slots past a sequence's end are masked, and zeroed first:
-    the pool is not zero-filled and a masked NaN would still poison the sum.
+    Sequences of similar length share one padded gather and one fused SDPA call (GQA without repeating K/V);
+    a batch of mixed lengths takes a few such calls, so short contexts do not pay for the longest one's
+    padding (_DecodePlan). A sequence of length 0 gets zeros, never NaN.
     """
     batch, num_q_heads, head_dim = q.shape
     assert num_q_heads % k_cache.shape[2] == 0, "Hq must be a multiple of Hkv"
     plan = _decode_plan(block_tables, seq_lens, k_cache.shape[1], q.device)
-    if plan.max_len == 0:
-        return _into(out, torch.zeros_like(q))
     acc = compute_dtype(q.dtype)
-    k, v = plan.gather(k_cache), plan.gather(v_cache)  # [B, L, Hkv, D]
-    if plan.hidden is not None:  # [B, L, 1, 1]: padding slots of the shorter sequences
-        _zero_hidden(k, v, plan)
+    if len(plan.groups) == 1 and plan.groups[0].rows is None:
+        return _into(out, _attend_group(q, k_cache, v_cache, plan.groups[0], scale, acc))
+    result = q.new_zeros(q.shape)  # rows of empty sequences stay zero
+    for group in plan.groups:
+        result.index_copy_(0, group.rows, _attend_group(q.index_select(0, group.rows), k_cache, v_cache, group,
+                                                        scale, acc))
+    return _into(out, result)
+
+
+def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: "_DecodeGroup",
+                  scale: float, acc: torch.dtype) -> torch.Tensor:
+    k, v = group.gather(k_cache), group.gather(v_cache)  # [n, L, Hkv, D]
     o = F.scaled_dot_product_attention(q.to(acc).unsqueeze(2), _heads_major(k, acc), _heads_major(v, acc),
-                                       attn_mask=_mask(plan.mask, acc), scale=scale, enable_gqa=True)  # [B, Hq, 1, D]
-    o = o.view(batch, num_q_heads, head_dim).to(q.dtype)
-    if plan.empty_rows is not None:
-        o[plan.empty_rows] = 0  # a row that sees no key: zeros, never NaN
-    return _into(out, o)
+                                       attn_mask=_mask(group.mask, acc), scale=scale, enable_gqa=True)  # [n, Hq, 1, D]
+    return o.view(q.shape).to(q.dtype)
+
+
+# What one more SDPA call costs, in (sequence, key) slots read: a sequence joins a longer group when the
+# padding it brings costs less than a call of its own, or when it is at least 2/3 of the group's length
+# (measured on the 2-core CPU: a call is ~60-80 us, a slot ~1 us at Hkv x D = 256).
+_CALL_COST_SLOTS = 64
+
+
+def group_by_length(lens: list[int]) -> list[list[int]]:
+    """Indices of the non-empty sequences in groups of similar length, longest first (one padded call each)."""
+    groups: list[list[int]] = []
+    longest = 0
+    for i in sorted((i for i, n in enumerate(lens) if n > 0), key=lambda i: -lens[i]):
+        if groups and (longest - lens[i] <= _CALL_COST_SLOTS or 3 * lens[i] >= 2 * longest):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            longest = lens[i]
+    return groups
+
+
+class _DecodeGroup:
+    """Sequences attended by one padded SDPA call: their slots, and the mask of the shorter ones' padding."""
+
+    def __init__(self, table: torch.Tensor, lens: list[int], rows: list[int] | None, block_size: int,
+                 device: torch.device):
+        self.rows = None if rows is None else torch.tensor(rows, device=device)
+        self.max_len = max(lens)
+        offsets = torch.arange(block_size, device=device)
+        slots = (table[:, : -(-self.max_len // block_size)].long()[:, :, None] * block_size + offsets).flatten(1)
+        slots = slots[:, :self.max_len]
+        self.mask = None
+        if min(lens) < self.max_len:
+            # Padding reads the sequence's own first slot: written K/V, so finite (the pool is not zero-filled
+            # and a masked NaN would still poison the sum), and the mask gives it weight exactly 0.
+            visible = torch.arange(self.max_len, device=device) < torch.tensor(lens, device=device)[:, None]
+            slots = torch.where(visible, slots, slots[:, :1])
+            self.mask = _additive(visible[:, None, None, :])  # SDPA's CPU kernel takes a float mask faster
+        self.slots = slots.reshape(-1)
+        self.shape = (len(lens), self.max_len)
+        # One sequence whose blocks are consecutive (the pool hands out a table's next block when it can) is
+        # read in place: the gather copies the whole context twice per layer, which is most of a long
+        # context's decode attention on CPU. Same values, same SDPA call: the same result.
+        self.first_slot = None
+        if len(lens) == 1:
+            ids = table[0, : -(-self.max_len // block_size)].tolist()
+            if ids == list(range(ids[0], ids[0] + len(ids))):
+                self.first_slot = ids[0] * block_size
+
+    def gather(self, cache: torch.Tensor) -> torch.Tensor:
+        """[n, max_len, Hkv, D]: the group's slots of `cache`."""
+        flat = _flat_slots(cache)
+        if self.first_slot is not None:
+            return flat.narrow(0, self.first_slot, self.max_len).view(*self.shape, *cache.shape[2:])
+        return flat.index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
 
 
 class _DecodePlan:
-    """What a decode step's tables and lengths imply for the gather, computed by its first layer and
+    """What a decode step's tables and lengths imply (groups, slots, masks), computed by its first layer and
     reused by the others: at batch 1 a step costs what its op count costs."""
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, lens: list[int], block_size: int,
                  device: torch.device):
         self.key = (block_tables, seq_lens, lens, block_size, device)
-        self.max_len = max(lens, default=0)
-        table = block_tables[:, : -(-self.max_len // block_size)].to(device).long()
-        self.hidden = self.mask = self.empty_rows = None
-        if lens and min(lens) < self.max_len:
-            # Entries past a sequence's own blocks may be garbage ids: point them at block 0, then mask.
-            owned = torch.tensor([-(-n // block_size) for n in lens], device=device)
-            table = table.masked_fill(torch.arange(table.shape[1], device=device) >= owned[:, None], 0)
-            visible = torch.arange(self.max_len, device=device) < torch.tensor(lens, device=device)[:, None]
-            # an additive float mask: SDPA's CPU kernel takes it faster than a boolean one
-            self.tail = min(lens)  # no slot before this is past any sequence's end
-            self.hidden = ~visible[:, self.tail:, None, None]
-            self.mask = _additive(visible[:, None, None, :])
-            if min(lens) == 0:
-                self.empty_rows = torch.tensor(lens, device=device) == 0
-        # Every (sequence, position) -> its pool slot: one index_select per cache gathers the whole batch.
-        offsets = torch.arange(block_size, device=device)
-        self.slots = (table[:, :, None] * block_size + offsets).flatten(1)[:, :self.max_len].reshape(-1)
-        self.shape = (table.shape[0], self.max_len)
-
-    def gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """[B, max_len, Hkv, D]: the plan's slots of `cache` (same values as gather_kv over the table)."""
-        return _flat_slots(cache).index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
+        table = block_tables.to(device)
+        groups = group_by_length(lens)
+        if len(groups) == 1 and len(groups[0]) == len(lens):  # every sequence, in one call
+            self.groups = [_DecodeGroup(table, lens, None, block_size, device)]
+        else:
+            self.groups = [_DecodeGroup(table[g], [lens[i] for i in g], g, block_size, device) for g in groups]
 
     def matches(self, block_tables, seq_lens, lens, block_size, device) -> bool:
         tables, lengths, *rest = self.key
@@ -118,14 +161,6 @@ def _additive(visible: torch.Tensor) -> torch.Tensor:
 def _mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     """An additive mask in the dtype SDPA computes in (fp64 for the oracle)."""
     return mask if mask is None or mask.dtype == dtype else mask.to(dtype)
-
-
-def _zero_hidden(k: torch.Tensor, v: torch.Tensor, plan) -> None:
-    """Zero the gathered slots past each sequence's end (in place: the gather made fresh tensors). They are
-    masked, but the pool is not zero-filled and a masked NaN would still poison the sum. Only slots from
-    plan.tail on can be past an end."""
-    k[:, plan.tail:].masked_fill_(plan.hidden, 0)
-    v[:, plan.tail:].masked_fill_(plan.hidden, 0)
 
 
 def _decode_plan(block_tables, seq_lens, block_size: int, device) -> _DecodePlan:
@@ -206,28 +241,22 @@ _SHORT_EXTEND = 64
 
 class _ExtendPlan:
     """A padded layout of a short-query batch, computed by a step's first layer and reused by the others:
-    queries [B, M] with M the longest row count, keys [B, L] with L the longest context (gathered like the
-    decode plan: one index_select of precomputed pool slots per cache)."""
+    queries [B, M] with M the longest row count, keys [B, L] with L the longest context."""
 
     def __init__(self, block_tables, cu_seqlens_q, seq_lens, starts: list[int], lens: list[int], block_size: int,
                  device: torch.device):
         self.key = (block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size, device)
         news = [b - a for a, b in zip(starts, starts[1:])]
-        self.rows, self.max_len, self.shape = max(news), max(lens), (len(lens), max(lens))
-        table = block_tables[:, : -(-self.max_len // block_size)].to(device).long()
-        uniform = min(news) == self.rows and min(lens) == self.max_len
-        if not uniform:
-            # Entries past a sequence's own blocks may be garbage ids: point them at block 0, then mask.
-            owned = torch.tensor([-(-n // block_size) for n in lens], device=device)
-            table = table.masked_fill(torch.arange(table.shape[1], device=device) >= owned[:, None], 0)
-        offsets = torch.arange(block_size, device=device)
-        self.slots = (table[:, :, None] * block_size + offsets).flatten(1)[:, :self.max_len].reshape(-1)
+        self.rows, self.max_len = max(news), max(lens)
+        # keys gathered as a decode step gathers them (padding reads each sequence's own first slot: finite,
+        # and masked below; one sequence whose blocks are consecutive is read in place)
+        self.keys = _DecodeGroup(block_tables.to(device), lens, None, block_size, device)
         # flat query row r of sequence b sits at padded row (b, i): one index for the scatter and the gather;
         # none when every sequence has the same row count (the flat rows already are the padded layout)
         self.flat = None if min(news) == self.rows else \
             torch.tensor([b * self.rows + i for b, n in enumerate(news) for i in range(n)], device=device)
-        self.hidden, self.tail = None, min(lens)
-        if uniform:  # the same causal mask for every sequence (a verify step where all draft alike; batch 1)
+        if min(news) == self.rows and min(lens) == self.max_len:
+            # the same causal mask for every sequence (a verify step where all draft alike; batch 1)
             causal = torch.ones(self.rows, self.max_len, dtype=torch.bool, device=device)
             self.mask = _additive(causal.tril_(self.max_len - self.rows))  # [M, L]
             return
@@ -238,12 +267,6 @@ class _ExtendPlan:
         visible &= keys[None, None, :] < length[:, None, None]
         visible[:, :, 0] = True  # padding query rows see key 0 (their output is dropped): never an empty row
         self.mask = _additive(visible[:, None])                        # [B, 1, M, L]
-        if self.tail < self.max_len:  # [B, L - tail, 1, 1]: slots past a shorter sequence's end
-            self.hidden = (keys[None, self.tail:] >= length[:, None])[:, :, None, None]
-
-    def gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """[B, max_len, Hkv, D]: every sequence's context, padded (same values as gather_kv over the table)."""
-        return _flat_slots(cache).index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
 
     def matches(self, *key) -> bool:
         return all(a is b for a, b in zip(self.key[:3], key[:3])) and list(self.key[3:]) == list(key[3:])
@@ -262,10 +285,8 @@ def _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size,
 
 def _short_extend(q, k_cache, v_cache, plan: _ExtendPlan, scale: float, acc: torch.dtype) -> torch.Tensor:
     """Every sequence's query rows padded to [B, Hq, M, D] against its gathered, zero-padded context."""
-    batch, (total_q, num_q_heads, head_dim) = plan.shape[0], q.shape
-    k, v = plan.gather(k_cache), plan.gather(v_cache)
-    if plan.hidden is not None:
-        _zero_hidden(k, v, plan)
+    batch, (total_q, num_q_heads, head_dim) = plan.keys.shape[0], q.shape
+    k, v = plan.keys.gather(k_cache), plan.keys.gather(v_cache)
     if plan.flat is None:
         padded = q.to(acc)
     else:

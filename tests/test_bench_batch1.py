@@ -19,8 +19,8 @@ def test_decode_and_prefill_rows_and_the_skipped_peer(tiny_llama, monkeypatch):
     r = batch1.run_batch1_bench(tiny_llama, threads=1, repeats=1, new_tokens=4, decode_prompt=8, peer="llama.cpp")
     assert set(r["systems"]) == {"pagedchat", "transformers"}
     for m in r["systems"].values():
-        assert m["decode_tok_per_s"] > 0 and m["prefill_s"] > 0
-    assert r["pagedchat_ratio"]["pagedchat"] == {"decode": 1.0, "prefill": 1.0}
+        assert m["decode_tok_per_s"] > 0 and m["prefill_s"] > 0 and m["decode16_tok_per_s"] > 0
+    assert r["pagedchat_ratio"]["pagedchat"] == {"decode": 1.0, "prefill": 1.0, "decode16": 1.0}
     assert len(r["notes"]) == 1 and "llama.cpp peer skipped" in r["notes"][0]
 
 
@@ -35,3 +35,13 @@ def test_gguf_for_the_peer(tiny_llama, tmp_path):
         reader = gguf.GGUFReader(str(batch1.write_gguf(tiny_llama, tmp_path / f"{kind}.gguf", kind)))
         names = {t.name for t in reader.tensors}
         assert {"token_embd.weight", "output.weight", "blk.1.ffn_down.weight"} <= names and len(names) == 2 * 9 + 3
+
+
+def test_the_llama_cpp_peer_runs_when_installed(tiny_llama):
+    pytest.importorskip("llama_cpp")
+    pytest.importorskip("gguf")
+    r = batch1.run_batch1_bench(tiny_llama, threads=1, repeats=1, new_tokens=4, decode_prompt=8, peer="llama.cpp")
+    assert {f"llama.cpp {kind}" for kind in batch1.LLAMA_CPP_TYPES} <= set(r["systems"]) and not r["notes"]
+    for kind in batch1.LLAMA_CPP_TYPES:
+        m = r["systems"][f"llama.cpp {kind}"]
+        assert m["decode_tok_per_s"] > 0 and m["prefill_s"] > 0 and m["decode16_tok_per_s"] > 0

@@ -108,3 +108,22 @@ def test_writing_into_an_owned_hashed_block_drops_it_from_the_index():
     assert pool.copy_on_write(table, 0) is None and pool.ref_count[table[0]] == 1
     assert pool.lookup(None, (1, 2)) is None
     pool.check_invariants([table])
+
+
+def test_a_table_gets_the_next_block_when_it_is_free_and_caches_nothing():
+    """allocate(after=b) keeps a sequence's blocks consecutive (the CPU decode attention then reads a batch-1
+    context in place), but never at the cost of a cached block: that one keeps its place in the LRU order."""
+    pool = BlockPool(num_blocks=6, block_size=2)
+    first = pool.allocate()
+    other = pool.allocate()                       # another sequence took first + 1
+    assert other == first + 1
+    third = pool.allocate(after=first)            # the successor is taken: the oldest free block instead
+    assert third not in (first, other)
+    assert pool.allocate(after=third) == third + 1
+    cached = third + 2
+    pool.incref(cached)
+    pool.register(cached, None, (7, 8))
+    pool.decref(cached)                           # free, but holding a cached prefix
+    nxt = pool.allocate(after=third + 1)
+    assert nxt != cached and pool.lookup(None, (7, 8)) == (cached, pool.block_hash[cached])
+    pool.check_invariants([[first], [other], [third, third + 1], [nxt]])

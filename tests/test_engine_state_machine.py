@@ -419,10 +419,13 @@ def test_engine_state_machine_speculating():
 
 
 class PlainBudget:
-    """A draft budget that chooses plain decode for every step."""
+    """A draft budget that runs every step plain (no drafts)."""
 
-    def choose(self, decodes):
-        return 0
+    def wants_plain(self, decodes):
+        return True
+
+    def threshold(self, decodes):
+        return 1.0
 
     def observe(self, *args):
         pass

@@ -44,7 +44,9 @@ def test_fork_of_pinned_sequence_mid_block(model_dirs, arch):
     assert parent.token_ids == parent_tokens
     for block, layers in snapshot.items():  # the parent's KV is untouched by the child's writes
         for (k0, v0), (k1, v1) in zip(layers, block_kv(engine, block)):
-            assert torch.equal(k0, k1) and torch.equal(v0, v1)
+            # bit for bit; the pool is not zero-filled, so the unwritten tail slots may hold NaN patterns
+            torch.testing.assert_close(k1, k0, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(v1, v0, rtol=0, atol=0, equal_nan=True)
 
     alone = make_engine(model_dirs, arch).generate([parent_tokens], GREEDY)[0]
     assert child.outputs[0].token_ids == alone.outputs[0].token_ids

@@ -154,6 +154,47 @@ def test_decode_ref_paths_match_naive(batch):
         torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
 
 
+def test_decode_ref_groups_mixed_lengths_and_matches_naive():
+    """Mixed lengths go through several padded calls (short contexts do not pay the longest one's padding);
+    the NaN-poisoned pool shows that no padding slot reaches the output."""
+    from pagedchat.kernels.reference import group_by_length
+
+    seq_lens = [1, 300, 3, 0, 40, 210, 90, 500, 45]
+    groups = group_by_length(seq_lens)
+    assert sorted(i for g in groups for i in g) == [i for i, n in enumerate(seq_lens) if n] and len(groups) > 2
+    for g in groups:  # each group's padding is bounded: a third of its longest, or one call's worth
+        longest = max(seq_lens[i] for i in g)
+        assert all(3 * seq_lens[i] >= 2 * longest or longest - seq_lens[i] <= 64 for i in g)
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, table = make_case(seq_lens, 16, 2, 8, torch.float64, gen)
+    q = torch.randn(len(seq_lens), 4, 8, generator=gen, dtype=torch.float64)
+    out = K.paged_decode_attention_ref(q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32), 0.4)
+    assert not out.isnan().any() and out[3].eq(0).all()
+    for b, n in enumerate(seq_lens):
+        want = naive_attention_row(q[b], k_cache, v_cache, table[b], n, 0.4)
+        torch.testing.assert_close(out[b], want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("length", [1, 16, 37, 200])
+def test_decode_ref_reads_a_consecutive_table_in_place_with_the_same_result(length):
+    """One sequence whose blocks are consecutive is read in place (no gather): bit for bit the result of the
+    same context laid out in scattered blocks."""
+    gen = torch.Generator().manual_seed(length)
+    block_size, blocks = 8, -(-length // 8)
+    k_cache = torch.randn(64, block_size, 2, 16, generator=gen)
+    v_cache = torch.randn(64, block_size, 2, 16, generator=gen)
+    consecutive = torch.arange(3, 3 + blocks, dtype=torch.int32)[None]
+    scattered = torch.arange(62, 62 - 2 * blocks, -2, dtype=torch.int32)  # descending, every other block
+    k2, v2 = torch.randn(k_cache.shape, generator=gen), torch.randn(v_cache.shape, generator=gen)
+    k2[scattered.long()], v2[scattered.long()] = k_cache[3:3 + blocks], v_cache[3:3 + blocks]
+    q = torch.randn(1, 4, 16, generator=gen)
+    lens = torch.tensor([length], dtype=torch.int32)
+    in_place = K.paged_decode_attention_ref(q, k_cache, v_cache, consecutive, lens, 0.25)
+    assert torch.equal(in_place, K.paged_decode_attention_ref(q, k2, v2, scattered[None], lens, 0.25))
+    want = naive_attention_row(q[0].double(), k_cache.double(), v_cache.double(), consecutive[0], length, 0.25)
+    torch.testing.assert_close(in_place[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_prefill_ref_matches_naive(seed):
     gen = torch.Generator().manual_seed(100 + seed)

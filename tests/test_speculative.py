@@ -12,7 +12,7 @@ from fake_runner import EOS, fake_draft, fake_engine
 from hf_models import ARCHS
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
 from pagedchat.engine.sequence import SeqStatus
-from pagedchat.engine.speculative import FIRST_STEPS, DraftBudget, NgramProposer, SpecState
+from pagedchat.engine.speculative import TAU, DraftBudget, NgramProposer, SpecState
 from test_engine_equality import check
 
 NEW_TOKENS = 24
@@ -220,43 +220,65 @@ def test_seeded_speculative_sampling_draws_the_plain_tokens():
         assert 0 < stats.accepted_tokens < stats.proposed_tokens
 
 
-def test_draft_budget_runs_the_measured_best_cap_and_remeasures_the_others():
-    budget = DraftBudget(6)
-    assert budget.caps == [6, 0]
-
-    def run(rates, steps, decodes=16):
-        chosen = []
-        for _ in range(steps):
-            cap = budget.choose(decodes)
-            chosen.append(cap)
-            budget.observe(decodes, cap, tokens=rates[cap], seconds=1.0)
-        return chosen
-
-    chosen = run({6: 3.0, 0: 1.0}, 400)  # drafts triple the tokens per second at this batch size
-    assert chosen[:6] == [6, 6, 6, 0, 0, 0]  # unmeasured caps first, the largest first, a few steps each
-    assert chosen[6:].count(6) > 380 and 0 in chosen[6:]  # the best, the other measured again now and then
-    chosen = run({6: 1.0, 0: 3.0}, 300)  # drafts stopped paying (say, the text changed)
-    assert chosen[-100:].count(0) > 95
-    assert budget.choose(1) == 6  # another batch-size class is measured apart
+def test_draft_budget_threshold_is_what_a_draft_costs_in_tokens():
+    """seconds = sequences * token + drafts * draft: a draft is worth asking for while its chance of being
+    accepted is at least draft / token (never below TAU); a class is measured apart from the others."""
+    budget = DraftBudget()
+    assert budget.wants_plain(16) and budget.threshold(16) == TAU  # nothing measured: drafts count as cheap
+    budget.observe(16, 0, 16 * 1.0)
+    assert not budget.wants_plain(16) and budget.threshold(16) == TAU  # no drafted step yet
+    for step in range(50):
+        drafts = step % 4 * 8
+        budget.observe(16, drafts, 16 * 1.0 + drafts * 0.4)  # a draft costs 0.4 of a token at batch 16
+    assert budget.threshold(16) == pytest.approx(0.4)
+    for step in range(300):  # the drafts got cheap (say, the batch's contexts changed): the threshold follows
+        drafts = step % 4 * 8
+        budget.observe(16, drafts, 16 * 1.0 + drafts * 0.02)
+    assert budget.threshold(16) == TAU
+    assert budget.wants_plain(1) and budget.threshold(1) == TAU
 
 
-def test_draft_budget_backs_off_from_a_cap_that_keeps_losing():
-    budget = DraftBudget(6)
-    chosen = []
-    for step in range(2600):
-        rates = {6: 1.0, 0: 3.0} if step < 2000 else {6: 3.0, 0: 1.0}  # drafts lose, then start paying
-        cap = budget.choose(16)
-        chosen.append(cap)
-        budget.observe(16, cap, tokens=rates[cap], seconds=1.0)
-    probes = [i for i, cap in enumerate(chosen[:2000]) if cap == 6][FIRST_STEPS:]
-    gaps = [b - a for a, b in zip(probes, probes[1:])]
-    assert len(probes) >= 4 and gaps == sorted(gaps) and gaps[-1] > 1.5 * gaps[0]  # ever rarer re-measurement
-    assert chosen[-100:].count(6) > 95  # but a cap that starts winning is noticed and kept
+def test_draft_budget_runs_a_plain_step_when_the_plain_cost_is_stale():
+    budget = DraftBudget()
+    plain = []
+    for step in range(400):
+        wants = budget.wants_plain(4)
+        plain.append(step) if wants else None
+        budget.observe(4, 0 if wants else 12, 4.0 + (0 if wants else 12 * 0.1))
+    gaps = [b - a for a, b in zip(plain, plain[1:])]
+    assert plain[0] == 0 and 60 < min(gaps) and max(gaps) < 150  # one plain step every ~110 steps
+
+
+def test_budget_keeps_a_single_sequence_drafting_through_misses():
+    """Drafts at batch 1 pay in bursts (a regenerated reply re-aligns with its sibling now and then): the
+    budget judges what a draft costs, not the tokens of the last few steps, so a run of misses lowers the
+    sequence's own depth but never switches drafting off for good."""
+    engine, _ = fake_engine(speculate="ngram", num_draft_tokens=4)
+    spec = engine.speculator
+    spec.proposer = RandomProposer(24)  # always k drafts, all missed
+    rid = engine.add_request([3, 4, 5, 3, 4, 5, 3, 4], SamplingParams(temperature=0, max_tokens=200))
+    seq = engine.requests[rid].sequences[0]
+    while seq.num_output_tokens == 0:
+        engine.step()
+    seq.spec = SpecState(seq)
+    depths = []
+    for step in range(200):  # what a step costs: 1 + 0.05 per draft (cheap); every draft missed
+        spec.propose(engine.scheduler.running)
+        depths.append(len(seq.draft_ids))
+        spec.record(seq, len(seq.draft_ids), 0, 1)
+        spec.budget.observe(1, len(seq.draft_ids), 1.0 + 0.05 * len(seq.draft_ids))
+    assert depths[:2] == [0, 4] and depths[-1] == 0  # a plain step to measure first; the misses: depth 0
+    assert spec.budget.threshold(1) == TAU
+    seq.spec.alpha = 0.5  # the reply re-aligned (its shadow guesses hit again)
+    spec.budget.observe(1, 0, 1.0)  # not a step that runs plain to measure it
+    spec.propose(engine.scheduler.running)
+    assert len(seq.draft_ids) == seq.spec.depth(4) == 3  # 0.5, 0.25, 0.125 >= TAU
 
 
 class _PlainBudget:
-    """A draft budget choosing plain decode every step (nothing proposes)."""
-    choose = staticmethod(lambda decodes: 0)
+    """A draft budget running every step plain (nothing proposes)."""
+    wants_plain = staticmethod(lambda decodes: True)
+    threshold = staticmethod(lambda decodes: 1.0)
     observe = staticmethod(lambda *args: None)
 
 
@@ -293,7 +315,7 @@ def test_closed_batch_drafts_only_for_the_sequences_furthest_from_done():
     decodes plainly (its drafts would not end the run sooner)."""
     engine, _ = fake_engine(speculate="ngram", num_draft_tokens=4)
     spec = engine.speculator
-    spec.budget.choose = lambda decodes: 4
+    spec.budget.wants_plain = lambda decodes: False  # drafts count as cheap (nothing measured)
     spec.proposer = RandomProposer(24)  # always k drafts: only the closed-batch rule withholds them
     seqs = []
     for out_len in (0, 3, 9):
@@ -317,7 +339,7 @@ def test_closed_batch_of_equal_sequences_drafts_only_if_all_may_accept():
     worth it; a single furthest sequence keeps its own depth rule, and an open batch drafts as the budget says."""
     engine, _ = fake_engine(speculate="ngram", num_draft_tokens=4)
     spec = engine.speculator
-    spec.budget.choose = lambda decodes: 4
+    spec.budget.wants_plain = lambda decodes: False  # drafts count as cheap (nothing measured)
     spec.proposer = RandomProposer(24)
     seqs = []
     for _ in range(3):

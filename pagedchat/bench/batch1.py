@@ -2,6 +2,8 @@
 
   - decode    one prompt, N new tokens (EOS ignored): tokens per second of the decode phase alone
   - prefill   one 512-token prompt: time to its first token
+  - decode16  16 prompts of mixed lengths decoding together: tokens per second once every prompt is
+              prefilled (decode only; transformers: one padded batch; llama.cpp: one batch of 16 sequences)
   - start-up  `pagedchat run` with the demo model, process start to the first byte on stdout, against the
               wall time of `python -c "import torch"` (the floor every torch program pays)
 
@@ -26,6 +28,8 @@ from pagedchat.errors import UserError
 
 PREFILL_TOKENS = 512
 LLAMA_CPP_TYPES = ("F32", "F16", "Q8_0")
+BATCH_SEQS = 16
+BATCH_NEW_TOKENS = 32
 STARTUP_PROMPT = "What is 17 + 25?"
 
 
@@ -46,11 +50,34 @@ def _prompts(spec: dict) -> tuple[list[int], list[list[int]]]:
     return decode, prefills
 
 
+def _batch_prompts(spec: dict) -> list[list[int]]:
+    """BATCH_SEQS prompts of mixed lengths (lognormal around 128 tokens, capped by the context)."""
+    rng = random.Random(spec["seed"] + 1)
+    cap = spec["prefill_tokens"] - spec["batch_new_tokens"]
+    lengths = [max(8, min(cap, int(rng.lognormvariate(4.6, 0.7)))) for _ in range(BATCH_SEQS)]
+    return [[rng.randrange(3, spec["vocab_size"]) for _ in range(n)] for n in lengths]
+
+
+def _decode16_pagedchat(engine, spec: dict, params) -> float:
+    """Decode-only tok/s of BATCH_SEQS sequences: the clock starts once every prompt has its first token."""
+    ids = [engine.add_request(p, params.with_(max_tokens=spec["batch_new_tokens"])) for p in _batch_prompts(spec)]
+    started: set[str] = set()
+    while len(started) < len(ids):
+        started.update(e.request_id for e in engine.step() if e.token_ids)
+    tokens, start = 0, time.perf_counter()
+    while engine.has_unfinished():
+        tokens += sum(len(e.token_ids) for e in engine.step())
+    elapsed = time.perf_counter() - start
+    for i in ids:
+        engine.pop_output(i)
+    return tokens / elapsed
+
+
 def worker_pagedchat(spec: dict) -> dict:
     from pagedchat.engine import Engine, EngineConfig, SamplingParams
 
     quantize = {"quantize": spec["quantize"]} if spec.get("quantize") else {}
-    config = EngineConfig(model=spec["model"], device="cpu", dtype=spec["dtype"], num_blocks=256, **quantize)
+    config = EngineConfig(model=spec["model"], device="cpu", dtype=spec["dtype"], num_blocks=512, **quantize)
     engine = Engine(config, show_progress=False)
     decode, prefills = _prompts(spec)
     params = SamplingParams(temperature=0, max_tokens=spec["new_tokens"], ignore_eos=True)
@@ -67,7 +94,8 @@ def worker_pagedchat(spec: dict) -> dict:
         start = time.perf_counter()
         engine.generate([prompt], params.with_(max_tokens=1))
         prefill_s.append(time.perf_counter() - start)
-    return {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "prefill_s": statistics.median(prefill_s)}
+    return {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "prefill_s": statistics.median(prefill_s),
+            "decode16_tok_per_s": _decode16_pagedchat(engine, spec, params)}
 
 
 def worker_transformers(spec: dict) -> dict:
@@ -77,20 +105,26 @@ def worker_transformers(spec: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
     decode, prefills = _prompts(spec)
 
-    def generate(prompt, new_tokens) -> float:
-        ids = torch.tensor([prompt])
+    def generate(prompts, new_tokens) -> float:
+        """One padded batch (left padding), timed."""
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         start = time.perf_counter()
         with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           do_sample=False, eos_token_id=None, pad_token_id=0)
         return time.perf_counter() - start
 
-    generate(decode[:16], 4)  # warm-up
-    first = generate(decode, 1)
-    full = generate(decode, spec["new_tokens"])
-    prefill_s = [generate(p, 1) for p in prefills]
+    generate([decode[:16]], 4)  # warm-up
+    first = generate([decode], 1)
+    full = generate([decode], spec["new_tokens"])
+    prefill_s = [generate([p], 1) for p in prefills]
+    batch, n = _batch_prompts(spec), spec["batch_new_tokens"]
+    batch_first, batch_full = generate(batch, 1), generate(batch, n)
     return {"decode_tok_per_s": (spec["new_tokens"] - 1) / max(full - first, 1e-9),
-            "prefill_s": statistics.median(prefill_s)}
+            "prefill_s": statistics.median(prefill_s),
+            "decode16_tok_per_s": len(batch) * (n - 1) / max(batch_full - batch_first, 1e-9)}
 
 
 def worker_llama_cpp(spec: dict) -> dict:
@@ -115,7 +149,47 @@ def worker_llama_cpp(spec: dict) -> dict:
         start = time.perf_counter()
         llm.eval(prompt)
         prefill_s.append(time.perf_counter() - start)
-    return {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "prefill_s": statistics.median(prefill_s)}
+    del llm
+    return {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "prefill_s": statistics.median(prefill_s),
+            "decode16_tok_per_s": _decode16_llama_cpp(spec)}
+
+
+def _decode16_llama_cpp(spec: dict) -> float:
+    """llama.cpp's own multi-sequence batching (as llama-server's slots use it) through the C API: every
+    prompt prefilled as its own sequence, then one llama_decode of BATCH_SEQS tokens per step. Which token
+    each step feeds is moot for time, so it feeds the last one (no sampling: that flatters llama.cpp)."""
+    import llama_cpp as L
+
+    prompts, n = _batch_prompts(spec), spec["batch_new_tokens"]
+    model = L.llama_model_load_from_file(spec["gguf"].encode(), L.llama_model_default_params())
+    params = L.llama_context_default_params()
+    params.n_ctx = sum(len(p) for p in prompts) + len(prompts) * n + 256
+    params.n_batch = params.n_ubatch = spec["prefill_tokens"]
+    params.n_seq_max, params.kv_unified = len(prompts), True
+    params.n_threads = params.n_threads_batch = spec["threads"]
+    ctx = L.llama_init_from_model(model, params)
+    batch = L.llama_batch_init(params.n_batch, 0, len(prompts))
+
+    def decode(items: list[tuple[int, int, int]]) -> None:  # (token, position, sequence)
+        batch.n_tokens = len(items)
+        for i, (token, pos, seq) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, True
+            batch.seq_id[i][0] = seq
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    try:
+        for seq, prompt in enumerate(prompts):
+            decode([(t, pos, seq) for pos, t in enumerate(prompt)])
+        start = time.perf_counter()
+        for step in range(n - 1):
+            decode([(p[-1], len(p) + step, seq) for seq, p in enumerate(prompts)])
+        elapsed = time.perf_counter() - start
+    finally:
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+    return len(prompts) * (n - 1) / elapsed
 
 
 WORKERS = {"pagedchat": worker_pagedchat, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp}
@@ -236,7 +310,7 @@ def run_batch1_bench(model_path: Path, threads: int, repeats: int = 3, new_token
     prefill = min(PREFILL_TOKENS, config.get("max_position_embeddings", PREFILL_TOKENS + 1) - 1)
     base = {"model": str(model_path), "dtype": "float32", "threads": threads, "new_tokens": new_tokens,
             "decode_prompt": decode_prompt, "prefill_runs": 3, "seed": seed, "vocab_size": config["vocab_size"],
-            "prefill_tokens": prefill}
+            "prefill_tokens": prefill, "batch_new_tokens": BATCH_NEW_TOKENS}
     systems = {"pagedchat": dict(base), "transformers": dict(base)}
     if quantize:
         systems[f"pagedchat {quantize}"] = {**base, "quantize": quantize}
@@ -257,11 +331,14 @@ def run_batch1_bench(model_path: Path, threads: int, repeats: int = 3, new_token
                 runs[name].append(_run(worker, spec, Path(tmp), timeout))
     medians = {name: {"decode_tok_per_s": statistics.median(r["decode_tok_per_s"] for r in rs),
                       "prefill_s": statistics.median(r["prefill_s"] for r in rs),
-                      "decode_runs": [r["decode_tok_per_s"] for r in rs], "prefill_runs": [r["prefill_s"] for r in rs]}
+                      "decode16_tok_per_s": statistics.median(r["decode16_tok_per_s"] for r in rs),
+                      "decode_runs": [r["decode_tok_per_s"] for r in rs], "prefill_runs": [r["prefill_s"] for r in rs],
+                      "decode16_runs": [r["decode16_tok_per_s"] for r in rs]}
                for name, rs in runs.items()}
     ours = medians["pagedchat"]
     ratios = {name: {"decode": ours["decode_tok_per_s"] / m["decode_tok_per_s"],
-                     "prefill": m["prefill_s"] / ours["prefill_s"]} for name, m in medians.items()}
+                     "prefill": m["prefill_s"] / ours["prefill_s"],
+                     "decode16": ours["decode16_tok_per_s"] / m["decode16_tok_per_s"]} for name, m in medians.items()}
     return {"threads": threads, "repeats": repeats, "new_tokens": new_tokens, "decode_prompt": decode_prompt,
             "prefill_tokens": prefill, "systems": medians, "pagedchat_ratio": ratios, "notes": notes}
 
@@ -270,11 +347,13 @@ def print_batch1_report(r: dict) -> None:
     from pagedchat.bench.common import print_table
 
     rows = [[name, m["decode_tok_per_s"], r["pagedchat_ratio"][name]["decode"], m["prefill_s"] * 1000,
-             r["pagedchat_ratio"][name]["prefill"]] for name, m in r["systems"].items()]
+             r["pagedchat_ratio"][name]["prefill"], m["decode16_tok_per_s"], r["pagedchat_ratio"][name]["decode16"]]
+            for name, m in r["systems"].items()]
     print_table(f"Batch 1 — decode ({r['decode_prompt']}-token prompt, {r['new_tokens']} new tokens) and "
-                f"{r['prefill_tokens']}-token prefill, {r['threads']} thread(s), median of {r['repeats']} "
-                f"alternating runs",
-                ["system", "decode tok/s", "pagedchat x", "prefill ms", "pagedchat x"], rows,
+                f"{r['prefill_tokens']}-token prefill; decode of {BATCH_SEQS} mixed prompts ({BATCH_NEW_TOKENS} "
+                f"new tokens each, decode only); {r['threads']} thread(s), median of {r['repeats']} alternating runs",
+                ["system", "decode tok/s", "pagedchat x", "prefill ms", "pagedchat x", "16-seq decode tok/s",
+                 "pagedchat x"], rows,
                 caption="pagedchat x: pagedchat's speed over the system's (above 1: pagedchat is faster)")
     for note in r["notes"]:
         print(note)

@@ -1,15 +1,17 @@
 """`pagedchat bench spec`: decode tokens/s with and without speculative decoding, same prompts, one run.
 
-Two engines on the same model and thread count (speculation off, and the method under test) take turns on
-each workload; the median of the repeats counts. Three workloads, at batch 1 and batch B:
+Two engines on the same model and thread count (speculation off, and the method under test) run each
+workload's requests in lockstep, one engine step each in turn, and each side is timed over its own steps
+only: a neighbour's burst of work on a shared machine lands on both sides alike, not on one side's whole
+run. The median of the repeats counts. Three workloads, at batch 1 and batch B:
   - edit:  the answer repeats most of the prompt. The prompt holds a text (the model's own greedy
            continuation of a seed, so it is text this model produces) and the start of its copy with one
            token changed; the reply goes on copying as far as the model does.
   - regen: a sibling reply already exists (attached as context, as the chat tree does for /regen); the new
            reply samples with another seed.
   - plain: a fresh prompt and nothing to copy from.
-Decode tokens/s counts the tokens after each request's first one over the time from the step where every
-request had its first token to the end (prefill excluded, EOS ignored so both sides decode the same count).
+Decode tokens/s counts the tokens after each request's first one over the time of a side's steps after the
+one where every request had its first token (prefill excluded, EOS ignored so both sides decode the same count).
 It is reported twice: over the wall clock, and over the process's CPU time (`*_cpu_tok_s`, `cpu_speedup`):
 each engine computes on one thread, so on a machine shared with other work the CPU time is the steadier
 measure of what a side costs (a busy neighbour stretches wall time, not the work done).
@@ -55,21 +57,44 @@ def _prompts(engine: Engine, batch: int, seed: int, text_tokens: int) -> dict[st
             "plain": (plain, [[] for _ in plain], greedy)}
 
 
-def _decode_rate(engine: Engine, prompts: list, contexts: list, params: SamplingParams, max_tokens: int,
-                 seed: int) -> tuple[float, float, list[list[int]]]:
-    """Decode tokens per second of wall time and of CPU time, and the tokens."""
+def _lockstep(engines: list[Engine], prompts: list, contexts: list, params: SamplingParams, max_tokens: int,
+              seed: int) -> list[tuple[float, float, list[list[int]]]]:
+    """The same requests on every engine, one step each in turn. Per engine: decode tokens per second of its
+    own steps' wall time and of their CPU time, and the tokens."""
     params = params.with_(max_tokens=max_tokens)
-    ids = [engine.add_request(p, params.with_(seed=None if params.greedy else seed + i), context=c)
-           for i, (p, c) in enumerate(zip(prompts, contexts))]
-    started = None
-    while any(not engine.requests[r].finished for r in ids):
-        engine.step()
-        if started is None and all(engine.requests[r].first_token_time for r in ids):
-            started = time.perf_counter(), time.process_time()
-    wall, cpu = time.perf_counter() - started[0], time.process_time() - started[1]
-    outs = [engine.pop_output(r) for r in ids]
-    decoded = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
-    return decoded / wall, decoded / max(cpu, 1e-9), [o.outputs[0].token_ids for o in outs]
+    sides = [_Side(engine, [engine.add_request(p, params.with_(seed=None if params.greedy else seed + i), context=c)
+                            for i, (p, c) in enumerate(zip(prompts, contexts))]) for engine in engines]
+    while any(side.running for side in sides):
+        for side in sides:
+            if side.running:
+                side.step()
+    return [side.result() for side in sides]
+
+
+class _Side:
+    """One engine's requests in a lockstep run, and the time its decode steps took."""
+
+    def __init__(self, engine: Engine, ids: list[str]):
+        self.engine, self.ids = engine, ids
+        self.decoding = False  # every request has its first token: the steps from here on are timed
+        self.wall = self.cpu = 0.0
+
+    @property
+    def running(self) -> bool:
+        return any(not self.engine.requests[r].finished for r in self.ids)
+
+    def step(self) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        self.engine.step()
+        if self.decoding:
+            self.wall += time.perf_counter() - wall
+            self.cpu += time.process_time() - cpu
+        self.decoding = self.decoding or all(self.engine.requests[r].first_token_time for r in self.ids)
+
+    def result(self) -> tuple[float, float, list[list[int]]]:
+        outs = [self.engine.pop_output(r) for r in self.ids]
+        decoded = sum(len(o.outputs[0].token_ids) - 1 for o in outs)
+        return decoded / max(self.wall, 1e-9), decoded / max(self.cpu, 1e-9), [o.outputs[0].token_ids for o in outs]
 
 
 def run_spec_bench(path, name: str, method: str = "ngram", batches: tuple[int, ...] = (1, 16),
@@ -86,9 +111,9 @@ def run_spec_bench(path, name: str, method: str = "ngram", batches: tuple[int, .
             prompts, contexts, params = workloads[workload]
             off, on, identical = [], [], True
             before = spec_engine.speculator.stats.as_dict()
-            for r in range(repeats):  # taking turns, so drifting machine load hits both alike
-                *rates_off, tokens_off = _decode_rate(plain_engine, prompts, contexts, params, max_tokens, seed + r)
-                *rates_on, tokens_on = _decode_rate(spec_engine, prompts, contexts, params, max_tokens, seed + r)
+            for r in range(repeats):
+                (*rates_off, tokens_off), (*rates_on, tokens_on) = _lockstep(
+                    [plain_engine, spec_engine], prompts, contexts, params, max_tokens, seed + r)
                 off.append(rates_off)
                 on.append(rates_on)
                 identical &= tokens_on == tokens_off

@@ -106,9 +106,18 @@ class BlockPool:
                          self.ram_hit_tokens, self.disk_hit_tokens)
 
     # -- allocation -----------------------------------------------------------------------------------------
-    def allocate(self) -> int:
+    def allocate(self, after: int | None = None) -> int:
+        """A free block, oldest first. after: the block the new one follows in a table. Its successor is
+        taken instead when it is free and caches nothing, so a sequence's blocks tend to be consecutive and
+        the CPU decode attention reads a batch-1 context in place instead of gathering it (kernels/reference.py)."""
         if not self.free_queue:
             raise OutOfBlocks
+        successor = None if after is None else after + 1
+        if successor in self.free_queue and self.block_hash[successor] is None:
+            del self.free_queue[successor]
+            self.ref_count[successor] = 1
+            self.peak_used = max(self.peak_used, self.num_used)
+            return successor
         block, _ = self.free_queue.popitem(last=False)
         if self.on_evict is not None and self.block_hash[block] is not None:
             self.on_evict(block, self.block_hash[block], self.block_tokens[block])

@@ -334,8 +334,7 @@ class Engine:
         shape = step_shape(batch)
         events = self._step(batch)
         if batch:
-            self.speculator.observe_step(shape, sum(len(e.token_ids) for e in events), clock() - started,
-                                         self.scheduler.running)
+            self.speculator.observe_step(shape, clock() - started)
         return events
 
     @property

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -13,24 +12,12 @@ from pagedchat.engine.logprobs import score_prompt_chunk
 from pagedchat.engine.scheduler import ScheduledBatch
 from pagedchat.engine.sequence import Sequence
 from pagedchat.errors import SettingError
+from pagedchat.memory import available_ram
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.model.loader import LoadedModel
 
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 log = logging.getLogger("pagedchat.engine")   # with no logging set up, warnings still reach stderr
-
-
-def _available_ram() -> int:
-    """Memory the pool can take without swapping: MemAvailable (free + reclaimable cache) where Linux says
-    it, else the free pages."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _gib(n: int) -> str:
@@ -94,7 +81,7 @@ class ModelRunner:
             budget = min(CPU_DEFAULT_KV_BYTES,
                          self._usable_blocks(config) * (self.bytes_per_block + extra_bytes_per_block))
         elif budget is None:
-            budget = int(_available_ram() * config.kv_fraction)
+            budget = int(available_ram() * config.kv_fraction)
         else:
             self._check_fits_memory(budget)
         num_blocks = budget // (self.bytes_per_block + extra_bytes_per_block)
@@ -109,7 +96,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             available, where = torch.cuda.mem_get_info(self.device)[0], "free on the GPU"
         else:
-            available, where = _available_ram(), "of memory available"
+            available, where = available_ram(), "of memory available"
         if budget > available:
             raise SettingError("kv_memory", f"{{name}} {_gib(budget)} is more than the {_gib(available)} {where}; "
                                             f"give a smaller size (or leave it out for the default)")

@@ -232,7 +232,7 @@ class Scheduler:
             if copy:
                 copies.append(copy)
         while len(seq.block_table) < self.blocks_for(seq.num_computed + n):
-            seq.block_table.append(self.pool.allocate())
+            seq.block_table.append(self.pool.allocate(after=seq.block_table[-1] if seq.block_table else None))
         if self.windows:
             self.windows.reserve(seq, n, copies)
 

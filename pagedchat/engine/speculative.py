@@ -16,22 +16,25 @@ plain step does and keeping the draft while they agree, so a seeded request's to
 many drafts a step verified (the budget below depends on timings).
 
 Adaptive k: each sequence keeps a running estimate `alpha` of the chance that a draft token is accepted and
-drafts only as deep as alpha^i stays above TAU (down to 0 = plain decode). While at 0 the n-gram proposer
+drafts only as deep as alpha^i stays above what a draft costs (TAU at least; down to 0 = plain decode). While at 0 the n-gram proposer
 keeps guessing in the shadow (free), so a sequence that starts repeating text gets drafts again.
 
 Batch-aware budget: whether drafts pay depends on the hardware, the batch and the text. At batch 1 a forward
 costs about the same for 1 or 8 positions (memory- or overhead-bound); at batch 16 on a CPU it is
-compute-bound and every verified position costs real time. `DraftBudget` measures it instead of guessing:
-per batch-size class it keeps the tokens per second that steps with drafts (up to the full k) and plain
-decode steps really delivered, timed end to end with proposing and verifying, and runs the better one,
-re-running the other now and then as its measurement fades (ever more rarely while it keeps losing). So batch 16 on a CPU backs off to plain
-decode where drafts do not pay, and batch 1 keeps long drafts. And when nothing waits to be admitted, the
-batch lasts as long as its sequence with the most tokens left: a sequence more than one step's drafts ahead of
-it decodes plainly (its drafts would shorten nothing and cost the step), so the batch stays full to the end
-instead of thinning into small, costly steps. And when several sequences share that most, a step shortens the
-run by more than one token only if every one of them accepts a draft: while that chance (their acceptance
-estimates multiplied) is under TAU, the step runs plain without asking the budget, so a batch of equal
-sequences (16 replies of one length) neither drafts nor re-measures drafts it cannot use.
+compute-bound and every verified position costs real time. `DraftBudget` measures what a draft costs instead of
+guessing: per batch-size class, the seconds of a plain step per sequence (one token's cost) and the extra
+seconds per draft token of steps with drafts, timed end to end with proposing and verifying. A draft is worth
+asking for while its chance of being accepted is at least the share of a token it costs. Costs are steady from
+step to step, so a few steps measure them; the chance is each sequence's own acceptance estimate, which follows
+its text (drafts that pay in bursts, as a regenerated reply re-aligning with its sibling now and then, are not
+judged by a window of steps that happened to miss). So batch 16 on a CPU drafts only where acceptance is
+high, and batch 1 keeps long drafts. And when nothing waits to be admitted, the batch lasts as long as its
+sequence with the most tokens left: a sequence more than one step's drafts ahead of it decodes plainly (its
+drafts would shorten nothing and cost the step), so the batch stays full to the end instead of thinning into
+small, costly steps. And when several sequences share that most, a step shortens the run by more than one
+token only if every one of them accepts a draft: while that chance (their acceptance estimates multiplied) is
+under what a draft costs, the step runs plain, so a batch of equal sequences (16 replies of one length, as a
+benchmark runs them) does not draft at all.
 """
 
 from __future__ import annotations
@@ -47,13 +50,10 @@ MAX_N = 4            # longest n-gram looked up (then shorter ones)
 MAX_MATCH = 64       # how far back two matches are compared to pick the better stream
 ALPHA_START = 0.7    # a new sequence starts optimistic: its first drafts decide
 ALPHA_RATE = 0.15    # weight of each new accept/reject event in the running estimate
-TAU = 0.1            # draft position i is worth asking for while alpha ** i >= TAU (and the step's cap)
+TAU = 0.1            # draft position i is worth asking for while alpha ** i >= TAU (or what a draft costs)
 PROBE_EVERY = 16     # steps between one-token probes of a proposer that cannot guess in the shadow
 BUDGET_DECAY = 0.99  # per step of a batch-size class, the weight of its earlier measurements falls by this
-FIRST_STEPS = 3      # steps each cap runs first in a batch-size class, before the better one is chosen
-MAX_BACKOFF = 4      # a cap that lost this many re-measurements in a row waits 2 ** 4 times longer for the next
-EXPLORE_WEIGHT = 2.0  # a cap whose decayed weight falls under this is run again: at least two steps'
-                      # worth of measurement (one step's time is noisy), renewed every 70 steps or more
+PLAIN_WEIGHT = 0.5   # a class whose plain steps' decayed weight fell under this runs one (every ~110 steps)
 
 
 @dataclass
@@ -108,9 +108,9 @@ class SpecState:
     def observe(self, accepted: bool) -> None:
         self.alpha += ALPHA_RATE * (float(accepted) - self.alpha)
 
-    def depth(self, limit: int) -> int:
+    def depth(self, limit: int, threshold: float = TAU) -> int:
         k, p = 0, self.alpha
-        while k < limit and p >= TAU:
+        while k < limit and p >= threshold:
             k, p = k + 1, p * self.alpha
         return k
 
@@ -196,44 +196,39 @@ def step_shape(batch) -> StepShape:
 
 
 class DraftBudget:
-    """The draft cap of each step, chosen by measurement. Per batch-size class (the number of decoding
-    sequences, by powers of two) and per cap (the full k, or 0 = plain decode): exponentially weighted sums of
-    the tokens the step emitted and the seconds it took. A step runs the cap with the best tokens per second;
-    a cap not measured lately (weight under EXPLORE_WEIGHT, scaled down by how far it lost) runs instead, so a
-    change in the text or the batch is noticed. Each re-measurement that loses again halves that weight
-    threshold (up to MAX_BACKOFF times), so an arm that keeps losing costs ever fewer steps; a win resets it.
-    The clock is the engine's (CPU time on a CPU)."""
+    """What a draft costs, measured. Per batch-size class (the number of decoding sequences, by powers of two),
+    exponentially weighted: the seconds of a plain step per decoding sequence (one token's cost) and, over
+    steps with drafts, the seconds beyond that per draft token verified. A draft at position i of a sequence
+    yields alpha ** i tokens on average: worth asking for while that is at least its cost in tokens
+    (`threshold`, never below TAU). A class whose plain cost was not measured lately runs a plain step (costs
+    drift as contexts grow); until both costs are known, drafts count as cheap. The clock is the engine's
+    (CPU time on a CPU)."""
 
-    def __init__(self, max_k: int):
-        self.caps = [max_k, 0]
-        # class -> per cap [weight, tokens, seconds, steps ever, re-measurements lost in a row]
-        self.sums: dict[int, list[list[float]]] = {}
+    def __init__(self):
+        # class -> [plain steps' weight, their seconds per sequence, draft tokens' weight, their extra seconds]
+        self.sums: dict[int, list[float]] = {}
 
-    def _arms(self, decodes: int) -> list[list[float]]:
-        return self.sums.setdefault(decodes.bit_length(), [[0.0, 0.0, 0.0, 0, 0] for _ in self.caps])
+    def _sums(self, decodes: int) -> list[float]:
+        return self.sums.setdefault(decodes.bit_length(), [0.0, 0.0, 0.0, 0.0])
 
-    def choose(self, decodes: int) -> int:
-        arms = self._arms(decodes)
-        for cap, arm in zip(self.caps, arms):
-            if arm[3] < FIRST_STEPS:
-                return cap  # not measured yet
-        rates = [tokens / max(seconds, 1e-12) for _, tokens, seconds, _, _ in arms]
-        best = max(rates)
-        for cap, (weight, _, _, _, lost), rate in zip(self.caps, arms, rates):
-            # a cap that lost by far, or lost again and again, is measured again less often
-            if weight < EXPLORE_WEIGHT * (rate / best) ** 2 / 2 ** lost:
-                return cap
-        return self.caps[rates.index(best)]
+    def wants_plain(self, decodes: int) -> bool:
+        return self._sums(decodes)[0] < PLAIN_WEIGHT
 
-    def observe(self, decodes: int, cap: int, tokens: int, seconds: float) -> None:
-        arms = self._arms(decodes)
-        for arm in arms:
-            arm[:3] = [x * BUDGET_DECAY for x in arm[:3]]
-        arm = arms[self.caps.index(cap)]
-        arm[0], arm[1], arm[2], arm[3] = arm[0] + 1.0, arm[1] + tokens, arm[2] + seconds, arm[3] + 1
-        if arm[3] > FIRST_STEPS:
-            rates = [t / max(sec, 1e-12) for _, t, sec, _, _ in arms]
-            arm[4] = min(arm[4] + 1, MAX_BACKOFF) if rates[self.caps.index(cap)] < max(rates) else 0
+    def threshold(self, decodes: int) -> float:
+        """The least acceptance chance a draft position must have to pay at this batch size."""
+        plain_weight, plain, draft_weight, extra = self._sums(decodes)
+        if not plain_weight or not draft_weight or plain <= 0:
+            return TAU
+        return max(TAU, (extra / draft_weight) / (plain / plain_weight))
+
+    def observe(self, decodes: int, drafts: int, seconds: float) -> None:
+        sums = self._sums(decodes)
+        sums[:] = [x * BUDGET_DECAY for x in sums]
+        if not drafts:
+            sums[0], sums[1] = sums[0] + 1.0, sums[1] + seconds / decodes
+        elif sums[0]:
+            token = sums[1] / sums[0]
+            sums[2], sums[3] = sums[2] + drafts, sums[3] + max(seconds - token * decodes, 0.0)
 
 
 class Speculator:
@@ -244,10 +239,10 @@ class Speculator:
         self.max_k = num_draft_tokens
         self.max_model_len = max_model_len
         self.stats = SpecStats(method)
-        self.budget: DraftBudget | None = DraftBudget(num_draft_tokens)  # None: always the full k (tests)
+        self.budget: DraftBudget | None = DraftBudget()  # None: drafts as deep as TAU says (tests)
         self._cap = num_draft_tokens  # this step's draft cap
+        self._threshold = TAU  # this step's least acceptance chance worth a draft
         self._untimed = False  # this step did one-off work: its time would mislead the budget
-        self._most_left: int | None = None  # a closed batch: the most tokens any sequence had left
 
     # -- before the step ------------------------------------------------------------------------------------
     def propose(self, running: list[Sequence], closed: bool = False) -> None:
@@ -255,15 +250,14 @@ class Speculator:
         the most tokens left, and only the sequences within one step's drafts of it draft."""
         decodes = sum(seq.num_computed == seq.num_tokens - 1 for seq in running)
         most_left = max((_tokens_left(s, self.max_model_len) for s in running), default=0) if closed else 0
-        self._most_left = most_left if closed else None
-        self._cap = self.max_k
+        self._cap, self._threshold = self.max_k, TAU
         if self.budget is not None and decodes:
-            hopeless = closed and self._shortening_chance(running, most_left) < TAU
-            self._cap = 0 if hopeless else self.budget.choose(decodes)
+            self._threshold = self.budget.threshold(decodes)
+            hopeless = closed and self._shortening_chance(running, most_left) < self._threshold
+            self._cap = 0 if hopeless or self.budget.wants_plain(decodes) else self.max_k
         if self._cap == 0:
-            # the budget chose plain decode for the whole step: no lookups, no shadow guesses (their per-
-            # sequence Python would be most of what speculation still costs here; alpha waits until drafts
-            # pay again)
+            # a plain step for the whole batch: no lookups, no shadow guesses (their per-sequence Python
+            # would be most of what speculation still costs here; alpha waits until drafts pay again)
             for seq in running:
                 seq.draft_ids = []
             return
@@ -278,7 +272,7 @@ class Speculator:
             self._check_shadow(seq)
             seqs.append(seq)
             lagging = _tokens_left(seq, self.max_model_len) + self._cap >= most_left
-            ks.append(min(self._depth(seq), self._cap if lagging or self.budget is None else 0))
+            ks.append(self._depth(seq) if lagging or self.budget is None else 0)
         if not seqs:
             return
         shadow = self.proposer.can_shadow
@@ -303,15 +297,10 @@ class Speculator:
             chance *= seq.spec.alpha if seq.spec is not None else ALPHA_START
         return chance
 
-    def observe_step(self, shape: StepShape, tokens: int, seconds: float, running: list[Sequence]) -> None:
-        """A step ran: `tokens` emitted in `seconds`; `running` is what still runs. Only steps of decodes
-        alone measure a cap. In a closed batch what a step is worth is how much it brought the end of the run
-        closer: `decodes` tokens per token that the most tokens left shrank by (a plain step: its tokens)."""
+    def observe_step(self, shape: StepShape, seconds: float) -> None:
+        """A step ran in `seconds`. Only steps of decodes alone measure what tokens and drafts cost."""
         if self.budget is not None and not self._untimed and not shape.other and shape.decodes:
-            if self._most_left is not None:
-                after = max((_tokens_left(s, self.max_model_len) for s in running), default=0)
-                tokens = shape.decodes * max(self._most_left - after, 0)
-            self.budget.observe(shape.decodes, self._cap if shape.drafts else 0, tokens, seconds)
+            self.budget.observe(shape.decodes, shape.drafts, seconds)
         self._untimed = False
 
     def _ready(self, seq: Sequence) -> bool:
@@ -328,7 +317,7 @@ class Speculator:
     def _depth(self, seq: Sequence) -> int:
         # the bonus token must fit too: a draft past max_tokens or the context would only be thrown away
         room = _tokens_left(seq, self.max_model_len) - 1
-        k = seq.spec.depth(min(self.max_k, max(room, 0)))
+        k = seq.spec.depth(min(self.max_k, max(room, 0)), self._threshold)
         if k == 0 and room > 0 and not self.proposer.can_shadow:
             seq.spec.idle_steps += 1
             if seq.spec.idle_steps >= PROBE_EVERY:  # one real draft token now and then, to notice a change

@@ -286,6 +286,11 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model
         from pagedchat.model.quantize import quantize_model
 
         quantize_model(model, quantize)
+    else:
+        from pagedchat.model import packed
+
+        if packed.can_pack(dev, torch_dtype):
+            packed.pack_linears(model)
     model.eval().requires_grad_(False)
     return LoadedModel(model_dir, config, spec, model, tokenizer, eos_ids(model_dir, config, tokenizer),
                        limit, torch_dtype, dev)

@@ -1,0 +1,71 @@
+"""fp32 linear layers on CPU: a second copy of each weight packed once at load into the blocked layout oneDNN's
+matmul reads (`torch.ops.mkldnn._linear_pointwise`: the path inductor's CPU weight freezing takes), for the
+matmuls of more than one row.
+
+Why: MKL's fp32 GEMM behind nn.Linear runs a few rows at a time far below the memory-bandwidth floor. Every
+layer of the small llama on the 2-core AVX-512 CPU, interleaved A/B (docs/benchmarks.md): 6 rows 19-23 ms
+with MKL against 13-15 ms packed (1.5x), 16 rows 1.2-1.25x, 64 rows 1.1x, 512 rows the same. Those few-row
+shapes are speculative verification (1 + k rows per sequence), batched decode (serve, variants) and short
+extends. One row (batch-1 decode) is ~12% faster through MKL's matrix-vector kernel, so it keeps the plain
+weight: the packed copy costs memory, so it is made only while the copies stay a small share of the RAM
+that is still available. Small weights stay plain: oneDNN's per-call cost (~20 us) outweighs its gain below
+about 1 MiB (the demo model's 192-wide layers: 7 rows 0.7x, 16 rows 0.9x of MKL).
+
+Results differ from MKL's by float rounding (another summation order), as one GEMM shape already differs
+from another; a tied LM head (the embedding's table) stays plain.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedchat.memory import available_ram
+
+# The row count oneDNN picks its packed layout for: the few-row matmuls this exists for.
+PACK_FOR_ROWS = 8
+# The packed copies may take at most this share of the RAM still available after loading.
+MAX_RAM_SHARE = 0.25
+# Weights with fewer elements stay plain (see above): 512 x 512, the smallest layer of the small llama, is in.
+MIN_ELEMENTS = 1 << 18
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available() \
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedLinear(nn.Module):
+    """The plain weight for one row, the packed copy for more."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACK_FOR_ROWS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] == 1:
+            out = F.linear(rows, self.weight, self.bias)
+        else:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Give every nn.Linear of at least MIN_ELEMENTS whose weight nothing else uses a packed copy (in place),
+    if the copies fit in MAX_RAM_SHARE of the available RAM; how many were packed."""
+    counts: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        counts[id(param)] = counts.get(id(param), 0) + 1
+    targets = [(module, name, child) for module in model.modules() for name, child in module.named_children()
+               if isinstance(child, nn.Linear) and counts.get(id(child.weight)) == 1
+               and child.weight.numel() >= MIN_ELEMENTS]
+    extra = sum(child.weight.numel() * child.weight.element_size() for _, _, child in targets)
+    if extra > MAX_RAM_SHARE * available_ram():
+        return 0
+    for module, name, child in targets:
+        setattr(module, name, PackedLinear(child))
+    return len(targets)
