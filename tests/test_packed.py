@@ -16,14 +16,15 @@ pytestmark = pytest.mark.skipif(not packed.can_pack(torch.device("cpu"), torch.f
                                 reason="this torch has no oneDNN linear")
 
 
-def test_one_row_is_the_plain_matmul_and_more_rows_the_same_product():
+def test_a_few_rows_take_the_plain_matmul_and_more_rows_the_same_product():
     torch.manual_seed(0)
     linear = nn.Linear(512, 768, bias=True)
     layer = packed.PackedLinear(linear)
     assert layer.weight is linear.weight  # shared, not copied: the packed layout is the only extra copy
-    one = torch.randn(1, 512)
-    assert torch.equal(layer(one), nn.functional.linear(one, linear.weight, linear.bias))
-    for rows in (2, 7, 64):
+    for rows in range(1, packed.PACKED_MIN_ROWS):
+        few = torch.randn(rows, 512)
+        assert torch.equal(layer(few), nn.functional.linear(few, linear.weight, linear.bias))
+    for rows in (packed.PACKED_MIN_ROWS, 7, 64):
         x = torch.randn(3, rows, 512)  # leading dimensions are kept
         torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
 

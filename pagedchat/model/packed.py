@@ -1,18 +1,19 @@
 """fp32 linear layers on CPU: a second copy of each weight packed once at load into the blocked layout oneDNN's
 matmul reads (`torch.ops.mkldnn._linear_pointwise`: the path inductor's CPU weight freezing takes), for the
-matmuls of more than one row.
+matmuls of a few rows and more.
 
 Why: MKL's fp32 GEMM behind nn.Linear runs a few rows at a time far below the memory-bandwidth floor. Every
-layer of the small llama on the 2-core AVX-512 CPU, interleaved A/B (docs/benchmarks.md): 6 rows 19-23 ms
-with MKL against 13-15 ms packed (1.5x), 16 rows 1.2-1.25x, 64 rows 1.1x, 512 rows the same. Those few-row
-shapes are speculative verification (1 + k rows per sequence), batched decode (serve, variants) and short
-extends. One row (batch-1 decode) is ~12% faster through MKL's matrix-vector kernel, so it keeps the plain
-weight: the packed copy costs memory, so it is made only while the copies stay a small share of the RAM
-that is still available. Small weights stay plain: oneDNN's per-call cost (~20 us) outweighs its gain below
-about 1 MiB (the demo model's 192-wide layers: 7 rows 0.7x, 16 rows 0.9x of MKL).
+layer of the small llama on the 2-core AVX-512 CPU, interleaved A/B (scripts/bench_packed.py,
+docs/benchmarks.md): 4-6 rows 1.4x faster packed, 16 rows 1.1-1.2x, 64 rows 1.05x, 512 rows the same. Those
+are the shapes of speculative verification (1 + k rows per sequence), batched decode (serve, variants) and
+short extends. Up to 3 rows (batch-1 decode, two variants) MKL is as fast or ~10% faster: the plain weight
+stays for them.
 
-Results differ from MKL's by float rounding (another summation order), as one GEMM shape already differs
-from another; a tied LM head (the embedding's table) stays plain.
+The copy costs memory, so it is made only while the copies stay a small share of the RAM still available.
+Small weights stay plain: oneDNN's per-call cost (~20 us) outweighs its gain below about 1 MiB (the demo
+model's 192-wide layers: 6 rows 0.7x, 16 rows 0.9x of MKL). A tied LM head (the embedding's table) stays
+plain too. Results differ from MKL's by float rounding (another summation order), as one GEMM shape already
+differs from another.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pagedchat.memory import available_ram
 
 # The row count oneDNN picks its packed layout for: the few-row matmuls this exists for.
 PACK_FOR_ROWS = 8
+# From this many rows on the packed copy is used: MKL's kernels win below (small llama, interleaved A/B:
+# 1 row 0.90x, 2 rows 0.90x, 3 rows 0.99x, 4 rows 1.43x; scripts/bench_packed.py).
+PACKED_MIN_ROWS = 4
 # The packed copies may take at most this share of the RAM still available after loading.
 MAX_RAM_SHARE = 0.25
 # Weights with fewer elements stay plain (see above): 512 x 512, the smallest layer of the small llama, is in.
@@ -37,7 +41,7 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """The plain weight for one row, the packed copy for more."""
+    """The plain weight for fewer than PACKED_MIN_ROWS rows, the packed copy for more."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -47,7 +51,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] == 1:
+        if rows.shape[0] < PACKED_MIN_ROWS:
             out = F.linear(rows, self.weight, self.bias)
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
