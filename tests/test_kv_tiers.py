@@ -365,3 +365,18 @@ def test_fingerprint_separates_models_and_settings(model, tmp_path, monkeypatch)
     data[-1] ^= 0x01
     (other / files[0].name).write_bytes(bytes(data))
     assert fp.engine_fingerprint(other, weight_files(other), torch.float32, 16, "cpu", tmp_path)[0] != base
+
+
+def test_blocks_used_within_one_clock_tick_trim_in_the_order_they_were_used(tmp_path, monkeypatch):
+    """Recency stamps are strictly increasing within a process: with a clock that does not move, the trim
+    order is still the use order (ties made which block survives depend on timing)."""
+    import pagedchat.engine.kv_disk as kv_disk
+
+    monkeypatch.setattr(kv_disk.time, "time_ns", lambda: 10**18)
+    tier = _tier(tmp_path / "fp")
+    keys = [chain_hash(None, (i,)) for i in range(4)]
+    for i, key in enumerate(keys):
+        tier.put(key, (i,), torch.ones(2, 3))
+    assert tier.get(keys[0], (0,)) is not None
+    stamps = [tier.path(k).stat().st_mtime_ns for k in keys[1:] + keys[:1]]
+    assert stamps == sorted(stamps) and len(set(stamps)) == 4

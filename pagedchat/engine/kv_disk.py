@@ -54,6 +54,19 @@ def _checksum(key: bytes, fingerprint: str, tokens: tuple[int, ...], payload: to
     return h.hexdigest()
 
 
+_last_stamp_ns = 0
+
+
+def _stamp(path: Path) -> None:
+    """Set the file's mtime to now, later than any stamp this process gave before: two blocks used within the
+    file system's clock resolution still trim in the order they were used (ties made the order, and with it
+    which block survives, depend on timing)."""
+    global _last_stamp_ns
+    _last_stamp_ns = max(time.time_ns(), _last_stamp_ns + 1)
+    with contextlib.suppress(OSError):
+        os.utime(path, ns=(_last_stamp_ns, _last_stamp_ns))
+
+
 class BadBlockFile(Exception):
     """A block file that must not be used: its content does not prove it is the block asked for."""
 
@@ -101,8 +114,7 @@ class DiskTier:
         except Exception:  # noqa: BLE001  whatever is wrong with the file, it is a miss, never an error
             self._remove(path)
             return None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # least recently used goes first when the folder is trimmed
+        _stamp(path)  # least recently used goes first when the folder is trimmed
         self.hits += 1
         return payload
 
@@ -147,6 +159,7 @@ class DiskTier:
         except OSError as e:
             self._stop_writing(e)
             return
+        _stamp(path)
         self._account(len(data))
 
     def _stop_writing(self, error: OSError) -> None:
@@ -175,7 +188,7 @@ class DiskTier:
                 if now - st.st_mtime > _STALE_TMP_S:
                     self._remove(path)
                 continue
-            files.append((st.st_mtime, st.st_size, path))
+            files.append((st.st_mtime_ns, st.st_size, path))
         files.sort()
         total = sum(size for _, size, _ in files)
         for _, size, path in files:
