@@ -132,3 +132,13 @@ def test_quantize_is_refused_with_a_server(pagedchat_cli):
     code, _, err = pagedchat_cli("run", "--server", "http://127.0.0.1:9", "--quantize", "int8", "hi")
     assert code == 2 and err.strip().splitlines() == [
         "pagedchat: error: --quantize quantizes the local engine's weights: not available with --server"]
+
+
+@pytest.mark.parametrize("flag", [["--device", "cpu"], ["--speculate", "ngram"], ["--kv-memory", "64MiB"],
+                                  ["--draft-model", "demo"], ["--kv-disk", "0"]])
+def test_local_engine_flags_are_refused_with_a_server(pagedchat_cli, flag):
+    """Flags that set up the local engine would do nothing with a server generating: one line, exit 2."""
+    code, _, err = pagedchat_cli("run", "--server", "http://127.0.0.1:9", *flag, "hi")
+    assert code == 2 and err.strip().splitlines() == [
+        f"pagedchat: error: {flag[0]} sets up the local engine: not available with --server (the server's own "
+        "settings decide)"]

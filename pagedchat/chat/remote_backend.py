@@ -228,6 +228,24 @@ def is_remote(opts) -> bool:
     return key is not None and registry.models[key].get("kind") == "remote"
 
 
+# Flags that set up the local engine, with the value that means "not given". With a server generating they
+# would do nothing, so they are refused in one line instead of being ignored.
+_LOCAL_ENGINE_FLAGS = {"device": ("--device", "auto"), "dtype": ("--dtype", None),
+                       "kv_memory": ("--kv-memory", None), "kv_ram": ("--kv-ram", None),
+                       "kv_disk": ("--kv-disk", None), "speculate": ("--speculate", None),
+                       "num_draft_tokens": ("--num-draft-tokens", None), "draft_model": ("--draft-model", None)}
+
+
+def _refuse_local_engine_flags(opts) -> None:
+    if getattr(opts, "quantize", None) not in (None, "none"):
+        raise UserError("--quantize quantizes the local engine's weights: not available with --server")
+    for field, (flag, unset) in _LOCAL_ENGINE_FLAGS.items():
+        value = getattr(opts, field, unset)
+        if value != unset and not (field == "speculate" and value == "off"):
+            raise UserError(f"{flag} sets up the local engine: not available with --server (the server's own "
+                            f"settings decide)")
+
+
 def open_remote(opts, show_progress: bool = True):
     """(RemoteBackend, ModelEntry) for --server / a remote entry. The server is asked for its models first,
     so an unreachable server, a refused key or a missing model fail here, in one line, before any turn.
@@ -237,8 +255,7 @@ def open_remote(opts, show_progress: bool = True):
     from pagedchat.registry import Registry
     from pagedchat.remote import ServerConfig
 
-    if getattr(opts, "quantize", None) not in (None, "none"):
-        raise UserError("--quantize quantizes the local engine's weights: not available with --server")
+    _refuse_local_engine_flags(opts)
     registry = Registry()
     entry = registry.resolve(opts.model) if opts.model else None
     table = entry.table if entry is not None else {}
