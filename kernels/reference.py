@@ -284,7 +284,8 @@ def _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size,
 
 
 def _short_extend(q, k_cache, v_cache, plan: _ExtendPlan, scale: float, acc: torch.dtype) -> torch.Tensor:
-    """Every sequence's query rows padded to [B, Hq, M, D] against its gathered, zero-padded context."""
+    """Every sequence's query rows padded to [B, Hq, M, D] against its gathered context (padding slots read
+    the sequence's own first slot and are masked)."""
     batch, (total_q, num_q_heads, head_dim) = plan.keys.shape[0], q.shape
     k, v = plan.keys.gather(k_cache), plan.keys.gather(v_cache)
     if plan.flat is None:

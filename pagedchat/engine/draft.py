@@ -68,6 +68,11 @@ class Shadow:
     synced: int       # up to here its tokens are the target's, copied at the last sync
     resets: int       # the target's kv_resets then: a change means its blocks were released since
 
+    @property
+    def released(self) -> bool:
+        """The target's blocks were released since the shadow began: none of its draft KV is left."""
+        return self.resets != self.target.kv_resets
+
 
 class DraftProposer:
     can_shadow = False  # guessing costs a draft forward: sequences at k = 0 are probed now and then instead
@@ -104,7 +109,7 @@ class DraftProposer:
         """The shadow of `seq`, its tokens replaced by seq's, its computed count cut back to the positions
         that still hold its KV (its rejected proposals are recomputed), its table seq's live one."""
         shadow = self.shadows.get(seq.seq_id)
-        if shadow is None or shadow.resets != seq.kv_resets:
+        if shadow is None or shadow.released:
             shadow = Shadow(seq, Sequence(seq.request, seq.index, seq.token_ids), seq.num_tokens, seq.kv_resets)
             self.shadows[seq.seq_id] = shadow
         else:
@@ -119,7 +124,7 @@ class DraftProposer:
         """Leading positions whose draft KV is right for the target's tokens now: fed by the shadow, of tokens
         the target still has, and computed by the target (so their blocks are the table's, never rolled back)."""
         target, seq = shadow.target, shadow.seq
-        if shadow.resets != target.kv_resets:
+        if shadow.released:
             return 0
         limit = min(seq.num_computed, target.num_computed, target.num_tokens - 1)
         valid = min(shadow.synced, limit)
@@ -159,7 +164,7 @@ class DraftProposer:
 
     def _drop_stopped(self) -> None:
         for seq_id, shadow in list(self.shadows.items()):
-            if shadow.target.status != SeqStatus.RUNNING or shadow.resets != shadow.target.kv_resets:
+            if shadow.target.status != SeqStatus.RUNNING or shadow.released:
                 del self.shadows[seq_id]
 
     def check_invariants(self, pool: BlockPool) -> None:
@@ -167,7 +172,7 @@ class DraftProposer:
         bs = self.block_size
         for shadow in self.shadows.values():
             target = shadow.target
-            if target.status != SeqStatus.RUNNING or shadow.resets != target.kv_resets:
+            if target.status != SeqStatus.RUNNING or shadow.released:
                 continue
             valid = self._valid(shadow)
             assert valid <= target.num_computed and -(-valid // bs) <= len(target.block_table), \
