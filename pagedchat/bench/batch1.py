@@ -51,11 +51,12 @@ def _prompts(spec: dict) -> tuple[list[int], list[list[int]]]:
 
 
 def _batch_prompts(spec: dict) -> list[list[int]]:
-    """BATCH_SEQS prompts of mixed lengths (lognormal around 128 tokens, capped by the context)."""
-    rng = random.Random(spec["seed"] + 1)
+    """BATCH_SEQS prompts of mixed lengths: the throughput table's mix (lognormal, mean 128 tokens), capped so
+    every reply fits the context."""
+    from pagedchat.bench.throughput import make_prompts
+
     cap = spec["prefill_tokens"] - spec["batch_new_tokens"]
-    lengths = [max(8, min(cap, int(rng.lognormvariate(4.6, 0.7)))) for _ in range(BATCH_SEQS)]
-    return [[rng.randrange(3, spec["vocab_size"]) for _ in range(n)] for n in lengths]
+    return make_prompts(BATCH_SEQS, 128, cap, spec["vocab_size"], spec["seed"] + 1)
 
 
 def _decode16_pagedchat(engine, spec: dict, params) -> float:
