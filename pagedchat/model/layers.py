@@ -15,6 +15,14 @@ class Linear(nn.Linear):
         pass
 
 
+def linear_children(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, layer) of every nn.Linear in `model`: what a load-time rewrite of the linear
+    layers (quantize.py, packed.py) replaces with setattr. A list: replacing while walking would walk the new
+    modules too."""
+    return [(module, name, child) for module in model.modules() for name, child in module.named_children()
+            if isinstance(child, nn.Linear)]
+
+
 class Embedding(nn.Embedding):
     """nn.Embedding without the random init (see Linear)."""
 

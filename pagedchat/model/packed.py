@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedchat.memory import available_ram
+from pagedchat.model.layers import linear_children
 
 # The row count oneDNN picks its packed layout for: the few-row matmuls this exists for.
 PACK_FOR_ROWS = 8
@@ -64,9 +65,8 @@ def pack_linears(model: nn.Module) -> int:
     counts: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         counts[id(param)] = counts.get(id(param), 0) + 1
-    targets = [(module, name, child) for module in model.modules() for name, child in module.named_children()
-               if isinstance(child, nn.Linear) and counts.get(id(child.weight)) == 1
-               and child.weight.numel() >= MIN_ELEMENTS]
+    targets = [(module, name, child) for module, name, child in linear_children(model)
+               if counts.get(id(child.weight)) == 1 and child.weight.numel() >= MIN_ELEMENTS]
     extra = sum(child.weight.numel() * child.weight.element_size() for _, _, child in targets)
     if extra > MAX_RAM_SHARE * available_ram():
         return 0

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedchat.model.layers import linear_children
+
 METHODS = ("int8",)
 # Above this many rows the dequantize-then-GEMM path is faster than the packed kernel (measured on the 2-core
 # AVX-512 CPU, 512x3072: packed 0.42 ms at 1 row, 3-5 ms at 16, 110 ms at 512; dequantize + fp32 GEMM 59 ms).
@@ -64,8 +66,6 @@ def quantize_model(model: nn.Module, method: str) -> None:
     """Replace every nn.Linear in `model` by its quantized form, in place, except those a module names in
     its `unquantized` (MoE routers). Weights that are not nn.Linear (MoE experts' stacked tensors) stay fp."""
     assert method in METHODS, f"unknown quantization {method!r}"
-    for module in list(model.modules()):
-        keep = getattr(module, "unquantized", ())
-        for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and name not in keep:
-                setattr(module, name, Int8Linear(child))
+    for module, name, child in linear_children(model):
+        if name not in getattr(module, "unquantized", ()):
+            setattr(module, name, Int8Linear(child))
