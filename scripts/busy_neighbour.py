@@ -22,6 +22,8 @@ import json, sys, time
 from pagedchat import threads
 threads.apply_threads(int(sys.argv[2]))
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
+from pagedchat.native import build
+build.load(wait=True)  # time the native decode step, not the torch path a first build would leave meanwhile
 engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", num_blocks=256), show_progress=False)
 params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 engine.generate([list(range(5, 21))], params.with_(max_tokens=4))

@@ -5,7 +5,8 @@ sampler, output processing) against the model's forward, on the demo model by de
                                     [--profile]
 
 Each repeat decodes --tokens tokens of one request (greedy, EOS ignored) and times every `Engine.step`
-and the `model(...)` and `compute_logits` calls inside it; "engine Python" is step time minus both. Each is
+and the `model(...)` and `compute_logits` calls inside it (or the one call of the native decode step, when
+the model runs on it: pagedchat/native); "engine Python" is step time minus both. Each is
 timed twice: wall time, and the CPU time of the calling thread (with 1 thread every op runs on it), which a
 busy machine disturbs far less than wall time. The median over steps, then over repeats, is reported.
 --profile adds a cProfile of one repeat's steps (the 25 costliest functions by own time).
@@ -37,10 +38,15 @@ def _timed(obj, name: str, bucket: list[tuple[float, float]]):
 def one_repeat(engine, prompt: list[int], tokens: int, profile: bool) -> dict:
     from pagedchat.engine import SamplingParams
 
-    model = engine.runner.model
+    model, native = engine.runner.model, engine.runner.native
     forward, logits = [], []
-    _timed(model, "forward", forward)
-    _timed(model, "compute_logits", logits)
+    if native is not None:  # the whole model in one native call: its time is the forward, no separate logits
+        _timed(native, "step", forward)
+        inner = native.step
+        native.step = lambda *a: logits.append((0.0, 0.0)) or inner(*a)
+    else:
+        _timed(model, "forward", forward)
+        _timed(model, "compute_logits", logits)
     rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
     engine.step()  # the prefill
     forward.clear(), logits.clear()
@@ -60,7 +66,11 @@ def one_repeat(engine, prompt: list[int], tokens: int, profile: bool) -> dict:
 
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     engine.pop_output(rid)
-    del model.forward, model.compute_logits, engine.step  # back to the class methods
+    del engine.step  # back to the class methods
+    if native is not None:
+        del native.step
+    else:
+        del model.forward, model.compute_logits
     out = {}
     for i, clock in enumerate(CLOCKS):
         python = [s[i] - f[i] - g[i] for s, f, g in zip(steps, forward, logits)]
@@ -83,7 +93,10 @@ def main() -> None:
 
     threads.apply_threads(args.threads)
     from pagedchat.engine import Engine, EngineConfig
+    from pagedchat.native import build
     from pagedchat.registry import Registry
+
+    build.load(wait=True)  # a first build would leave this run on the torch path
 
     path = str(Registry().resolve(args.model).path)
     engine = Engine(EngineConfig(model=path, device="cpu", num_blocks=256, quantize=args.quantize), show_progress=False)

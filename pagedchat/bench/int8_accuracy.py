@@ -3,7 +3,8 @@
 Greedy agreement counts generated tokens equal to the fp32 engine's up to each prompt's first divergence
 (after one differing token the continuations differ by construction). The logit error is teacher-forced on the
 fp32 tokens the way the engine computes them: one prefill of the prompt, then one decode step per token (decode
-and prefill take different int8 matmuls, see model/quantize.py); it is reported in logits and relative to the
+and prefill take different int8 matmuls, see model/quantize.py; on CPU a decode step of a Llama-family model is
+the native step, pagedchat/native, whose int8 matmul keeps fp32 activations); it is reported in logits and relative to the
 fp32 logits' spread at that position. A divergence counts as a near-tie when fp32's top-2 logit gap at that
 position is at most twice the int8 error there (two logits each moved by that much can swap).
 """
@@ -22,13 +23,17 @@ def _engine(path: str, quantize: str | None) -> Engine:
     return Engine(config, show_progress=False)
 
 
-def _forward(model, ids: list[int], start: int, block_size: int, blocks: int) -> torch.Tensor:
-    """Logits of `ids` placed at positions start.. of one sequence that owns blocks 0..blocks-1."""
+def _forward(runner, ids: list[int], start: int, blocks: int) -> torch.Tensor:
+    """Logits of `ids` placed at positions start.. of one sequence that owns blocks 0..blocks-1 (a decode step
+    on the native CPU step when the engine has it, as the engine runs it)."""
     n, end = len(ids), start + len(ids)
     meta = AttentionMetadata(slot_mapping=torch.arange(start, end),
                              block_tables=torch.arange(blocks, dtype=torch.int32)[None],
                              seq_lens=torch.tensor([end], dtype=torch.int32),
                              cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), is_decode=n == 1, max_seq_len=end)
+    if n == 1 and runner.native is not None:
+        return runner.native.step(torch.tensor(ids), torch.arange(start, end), meta.block_tables, meta.seq_lens)
+    model = runner.model
     return model.compute_logits(model(torch.tensor(ids), torch.arange(start, end), meta))
 
 
@@ -37,10 +42,9 @@ def teacher_forced_logits(engine: Engine, prompt: list[int], continuation: list[
     """[len(continuation), vocab]: the logits that predicted each continuation token."""
     runner = engine.runner
     blocks = -(-(len(prompt) + len(continuation)) // runner.block_size)
-    model = runner.model
-    rows = [_forward(model, prompt, 0, runner.block_size, blocks)[-1]]
+    rows = [_forward(runner, prompt, 0, blocks)[-1]]
     for i, token in enumerate(continuation[:-1]):
-        rows.append(_forward(model, [token], len(prompt) + i, runner.block_size, blocks)[0])
+        rows.append(_forward(runner, [token], len(prompt) + i, blocks)[0])
     return torch.stack(rows)
 
 

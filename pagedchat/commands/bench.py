@@ -13,6 +13,16 @@ bench = typer.Typer(help="Benchmarks: pagedchat against the alternative, measure
                     no_args_is_help=True)
 
 
+@bench.callback()
+def native_ready() -> None:
+    """Benchmarks time the engine as it runs once the native CPU decode step is built: on a machine that has
+    no build yet, a first engine would take the torch path while the build runs in the background, so the
+    build is made here, before anything is timed (pagedchat/native/build.py)."""
+    from pagedchat.native import build
+
+    build.load(wait=True)
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(bench, name="bench")
 

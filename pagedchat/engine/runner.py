@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -17,6 +18,7 @@ from pagedchat.model.attention import AttentionMetadata
 from pagedchat.model.loader import LoadedModel
 
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
+NATIVE_RETRY_S = 1.0  # how often a runner looks for a native library still being built
 log = logging.getLogger("pagedchat.engine")   # with no logging set up, warnings still reach stderr
 
 
@@ -66,6 +68,16 @@ class ModelRunner:
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and not self._window_groups():
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
+        # The native CPU decode step (pagedchat/native), once its library is built: the first process on a
+        # machine builds it in the background and takes the torch path meanwhile.
+        self.native = None
+        self._native_next_try: float | None = None  # when to look for the library again; None: never
+        if self.device.type == "cpu" and not self._window_groups():
+            from pagedchat.native.step import NativeDecode
+
+            if NativeDecode.supports(self.model, self.k_caches, self.v_caches):
+                self._native_next_try = 0.0
+                self._bind_native()
 
     def _window_groups(self) -> int:
         return self.kv_groups.num_window_groups if self.kv_groups else 0
@@ -174,6 +186,8 @@ class ModelRunner:
         (1 + len(draft_ids) rows for a sequence with drafts, in batch order)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
+        if self._native_fits(batch, meta, sample_rows):
+            return self.native.step(ids, positions, meta.block_tables, meta.seq_lens), samplers
         if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
@@ -183,6 +197,27 @@ class ModelRunner:
             return None, []
         rows = torch.tensor(sample_rows, device=self.device)
         return self.model.compute_logits(hidden[rows]), samplers
+
+    def _bind_native(self) -> None:
+        from pagedchat.native import build
+        from pagedchat.native.step import NativeDecode
+
+        now = time.monotonic()
+        if self._native_next_try is None or now < self._native_next_try:
+            return
+        self.native = NativeDecode.bind(self.model, self.k_caches, self.v_caches, self.block_size)
+        self._native_next_try = now + NATIVE_RETRY_S if self.native is None and build.building() else None
+
+    def _native_fits(self, batch: ScheduledBatch, meta: AttentionMetadata, sample_rows: list[int]) -> bool:
+        """A plain decode step the native step can run whole: every sequence samples its one new token, no
+        prompt is scored or pooled (they need the hidden states), and the attention layers are still on the
+        torch twins (tests put them on the Triton kernels to run those end to end)."""
+        if self.native is None and meta.is_decode:
+            self._bind_native()
+        return self.native is not None and meta.is_decode and len(sample_rows) == len(batch.items) \
+            and all(seq.request.params.prompt_logprobs is None and not seq.request.params.embed
+                    for seq, _ in batch.items) \
+            and all(layer.backend == "torch" for layer in self.model.attention_layers())
 
     def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """Prompt log-probabilities (echo) of this step's prefill chunks, reduced per chunk: row p scores

@@ -1,0 +1,171 @@
+"""Compile decode.c with the machine's C compiler once, into the user's cache; later processes load the cached
+library (ctypes: no Python headers, no torch headers, a ~1 s build).
+
+Built for this CPU (-march=native), named by a hash of the source, the flags and the CPU's model and flags, so
+a changed source or another machine sharing the cache never loads a stale or foreign build.
+
+The first process that finds no build does not wait for one: it starts the compiler in a detached process and
+goes on with the torch path (a one-shot `run` must not pay a second of compiling; a REPL or server picks the
+library up once it appears, engine/runner.py). That process builds under a private name and renames the result
+into place, so a reader never loads half a library; a marker keeps a second process from starting the same
+build, and a failed build leaves its error beside the target instead of being retried by every process.
+
+No compiler, a failed build or PAGEDCHAT_NATIVE=0: `load()` returns None and the torch path stays; `status()`
+says why in one line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("decode.c")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden"]
+ENV_SWITCH = "PAGEDCHAT_NATIVE"
+# A build marker older than this is a build that died (killed machine, full disk): try again.
+STALE_BUILD_S = 300
+
+_loaded: "ctypes.CDLL | None" = None
+_why_not = "not tried"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "pagedchat" / "native"
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted}))
+
+
+def library_path(compiler: str) -> Path:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(), _cpu_signature().encode()):
+        digest.update(part)
+    return cache_dir() / f"decode-{digest.hexdigest()[:16]}.so"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+
+
+def _failed_marker(target: Path) -> Path:
+    return target.with_suffix(".failed")
+
+
+def _building_marker(target: Path) -> Path:
+    return target.with_suffix(".building")
+
+
+def build(compiler: str, target: Path) -> None:
+    """Compile to a private file and rename it into place; a failure is written beside the target and
+    raised."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(tmp, target)
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
+        _failed_marker(target).write_text(detail[-1] if detail else type(e).__name__)
+        raise
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _start_background_build(compiler: str, target: Path) -> bool:
+    """Start this file as a detached build, unless one is already running; whether one runs."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    marker = _building_marker(target)
+    try:
+        if time.time() - marker.stat().st_mtime < STALE_BUILD_S:
+            return True
+        marker.unlink()
+    except FileNotFoundError:
+        pass
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return True  # another process just started it
+    # this file as a script: the standard library only, no pagedchat (or torch) import in the builder
+    subprocess.Popen([sys.executable, __file__, compiler, str(target)], stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    return True
+
+
+def load(wait: bool = False) -> "ctypes.CDLL | None":
+    """The compiled decode step, or None. With no build cached: wait=True builds it now; wait=False starts a
+    background build and returns None (call again later)."""
+    global _loaded, _why_not
+    if _loaded is not None:
+        return _loaded
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "no", "off"):
+        _why_not = f"{ENV_SWITCH}=0"
+        return None
+    compiler = _compiler()
+    if compiler is None:
+        _why_not = "no C compiler (cc, gcc or clang) on PATH"
+        return None
+    target = library_path(compiler)
+    failed = _failed_marker(target)
+    if not target.exists() and failed.exists():
+        _why_not = f"build failed: {failed.read_text().strip()}"
+        return None
+    if not target.exists():
+        if not wait:
+            _start_background_build(compiler, target)
+            _why_not = "building in the background"
+            return None
+        try:
+            build(compiler, target)
+        except (OSError, subprocess.SubprocessError):
+            _why_not = f"build failed: {failed.read_text().strip()}"
+            return None
+    try:
+        _loaded = ctypes.CDLL(str(target))
+    except OSError as e:
+        _why_not = f"cannot load {target.name}: {e}"
+        return None
+    return _loaded
+
+
+def building() -> bool:
+    """The last load() found no build and one is being made in the background: try again later."""
+    return _loaded is None and _why_not == "building in the background"
+
+
+def status() -> str:
+    """One line: whether the native decode step is available, and why not."""
+    lib = load()
+    return "native decode: on" if lib is not None else f"native decode: off ({_why_not})"
+
+
+def _main(compiler: str, target: str) -> int:
+    try:
+        build(compiler, Path(target))
+        return 0
+    except (OSError, subprocess.SubprocessError):
+        return 1
+    finally:
+        _building_marker(Path(target)).unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(_main(*sys.argv[1:3]))

@@ -1,0 +1,390 @@
+/* One decode step of a Llama-family model on CPU, in one call: every sequence in the batch has exactly one
+ * new token; its K/V is written into the paged pool and attention reads the pool through the block table.
+ *
+ * Why native: at batch 1 a small model's step is ~450 eager torch calls, and their dispatch cost (not the
+ * arithmetic) is what separates pagedchat from llama.cpp. Here the step is a few dozen loops over memory the
+ * torch side owns (weights, caches, rotary tables: pointers, nothing copied). The arithmetic is the torch
+ * path's, in fp32, in another summation order (as one GEMM shape already differs from another).
+ *
+ * Linear layers keep the checkpoint's [out, in] layout, fp32 or int8 with one fp32 scale per output row
+ * (pagedchat/model/quantize.py). A tile of 4 rows x up to 4 sequences shares every load: at batch 1 the
+ * weights stream once at the memory-bandwidth floor; at batch 16 each weight load feeds 4 sequences.
+ * Threads split the rows of every linear layer and the (sequence, kv head) pairs of attention, inside one
+ * OpenMP region per step (the same libgomp torch loaded: one thread pool, no oversubscription).
+ *
+ * Built with the machine's C compiler on first use (pagedchat/native/build.py); GCC vector extensions keep it
+ * portable: 16-float vectors become AVX-512, 2 x AVX2 or 4 x SSE as the CPU has.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define API __attribute__((visibility("default")))
+#define INLINE static inline __attribute__((always_inline))
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int8_t v16c __attribute__((vector_size(16), aligned(1)));
+
+typedef struct {
+    const void *weight;    /* [out, in]: float, or int8 when scales != NULL */
+    const float *scales;   /* [out] per-row scale of an int8 weight, else NULL */
+    const float *bias;     /* [out] or NULL */
+    int64_t out, in;
+} Linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;  /* [hidden] */
+    const float *q_norm, *k_norm;         /* [head_dim] (Qwen3) or NULL */
+    Linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache;             /* [num_blocks, block_size, kv_heads, head_dim] */
+} Layer;
+
+typedef struct {
+    int64_t hidden, intermediate, num_layers, num_heads, num_kv_heads, head_dim, vocab, block_size;
+    float eps, scale;
+    const float *embed;                   /* [vocab, hidden] */
+    const float *norm;                    /* [hidden] */
+    Linear lm_head;
+    const float *cos, *signed_sin;        /* [max_positions, head_dim] */
+    const Layer *layers;
+} Model;
+
+INLINE v16 load16(const float *p) { return *(const v16u *)p; }
+/* int8 -> float, 16 at a time. GCC 12 scalarizes __builtin_convertvector for this, so the two x86 paths
+ * are spelled out (sign-extend, then convert); other CPUs take the generic form. */
+#if defined(__AVX512F__)
+INLINE v16 load16q(const int8_t *p) {
+    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+INLINE v16 load16q(const int8_t *p) {
+    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
+    v16 v;
+    memcpy(&v, &lo, 32);
+    memcpy((char *)&v + 32, &hi, 32);
+    return v;
+}
+#else
+INLINE v16 load16q(const int8_t *p) { return __builtin_convertvector(*(const v16c *)p, v16); }
+#endif
+
+INLINE float hsum(v16 v) {
+    v8 a, b;
+    memcpy(&a, &v, 32);
+    memcpy(&b, (const char *)&v + 32, 32);
+    a += b;
+    v4 c, d;
+    memcpy(&c, &a, 16);
+    memcpy(&d, (const char *)&a + 16, 16);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* y[b, r] = sum_i x[b, i] * w[r, i] for R rows from r0 and NB sequences: every weight vector loaded once
+ * feeds NB accumulators, every input vector R. R and NB are constants after inlining: the accumulators stay
+ * in registers. */
+#define TILE(NAME, WTYPE, LOAD, SCALAR)                                                                      \
+    INLINE void NAME(const WTYPE *w, const float *x, int64_t in, int64_t xstride, int R, int NB, float *acc) { \
+        v16 a[4][4] = {{{0}}};                                                                              \
+        int64_t i = 0;                                                                                      \
+        const char *next = (const char *)(w + R * in); /* the next tile's rows, fetched while these stream */ \
+        for (; i + 16 <= in; i += 16) {                                                                     \
+            for (int c = 0; c < R * (int)sizeof(WTYPE) / 4; c++)                                            \
+                __builtin_prefetch(next + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 3);                 \
+            v16 xv[4];                                                                                      \
+            for (int b = 0; b < NB; b++) xv[b] = load16(x + b * xstride + i);                               \
+            for (int r = 0; r < R; r++) {                                                                   \
+                v16 wv = LOAD(w + r * in + i);                                                              \
+                for (int b = 0; b < NB; b++) a[r][b] += wv * xv[b];                                         \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int b = 0; b < NB; b++) {                                                                  \
+                float s = hsum(a[r][b]);                                                                    \
+                for (int64_t j = i; j < in; j++) s += SCALAR(w[r * in + j]) * x[b * xstride + j];           \
+                acc[r * 4 + b] = s;                                                                         \
+            }                                                                                               \
+    }
+#define AS_FLOAT(v) (v)
+#define INT8_TO_FLOAT(v) ((float)(v))
+TILE(tile_f32, float, load16, AS_FLOAT)
+TILE(tile_i8, int8_t, load16q, INT8_TO_FLOAT)
+
+/* The threads of a step: who I am, and the barrier between phases that need each other's results.
+ *
+ * Not OpenMP's barrier: pagedchat runs OpenMP with passive waiting (threads.py: spinning threads beside a
+ * busy process slowed decode 20-100x), and a passive barrier is a futex sleep and wake, ~30-50 us, ~50 times a
+ * step. This one spins briefly (the other threads are a few microseconds behind when the machine is free),
+ * then yields the core to whoever needs it. */
+typedef struct {
+    _Atomic int arrived, generation;
+} Barrier;
+
+typedef struct {
+    int tid, n;
+    Barrier *barrier;
+} Team;
+
+#if defined(__x86_64__) || defined(__i386__)
+#define CPU_RELAX() __builtin_ia32_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
+#define SPINS_BEFORE_YIELD 2000
+
+static void sync_team(const Team *t) {
+    if (t->n == 1) return;
+    Barrier *b = t->barrier;
+    const int generation = atomic_load_explicit(&b->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == t->n - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
+        if (spins < SPINS_BEFORE_YIELD) CPU_RELAX();
+        else sched_yield();
+    }
+}
+
+/* This thread's contiguous share [*lo, *hi) of n items. */
+INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
+    const int64_t chunk = (n + t->n - 1) / t->n;
+    *lo = t->tid * chunk < n ? t->tid * chunk : n;
+    *hi = *lo + chunk < n ? *lo + chunk : n;
+}
+
+/* The specialisations the inliner keeps apart: rows 1..4 (a tail of rows) x sequences 1..4. */
+#define DISPATCH(FN, W)                                                                                      \
+    switch (R * 8 + NB) {                                                                                   \
+        case 4 * 8 + 1: FN(W, x, in, in, 4, 1, acc); break;                                                \
+        case 4 * 8 + 2: FN(W, x, in, in, 4, 2, acc); break;                                                \
+        case 4 * 8 + 3: FN(W, x, in, in, 4, 3, acc); break;                                                \
+        case 4 * 8 + 4: FN(W, x, in, in, 4, 4, acc); break;                                                \
+        default: FN(W, x, in, in, R, NB, acc); break;                                                       \
+    }
+
+/* acc[r * 4 + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of x_all [B, in]. */
+static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t b0, int NB, float *acc) {
+    const int64_t in = l->in;
+    const float *x = x_all + b0 * in;
+    if (l->scales) {
+        const int8_t *w = (const int8_t *)l->weight + r0 * in;
+        DISPATCH(tile_i8, w)
+    } else {
+        const float *w = (const float *)l->weight + r0 * in;
+        DISPATCH(tile_f32, w)
+    }
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) {
+            if (l->scales) acc[r * 4 + b] *= l->scales[r0 + r];
+            if (l->bias) acc[r * 4 + b] += l->bias[r0 + r];
+        }
+}
+
+/* y [B, out] = x [B, in] @ w.T (+ bias), or y += that (the residual stream) when accumulate; this thread's
+ * share of the rows. */
+static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate) {
+    int64_t lo, hi;
+    share(team, (l->out + 3) / 4, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const int64_t r0 = t * 4;
+        const int R = l->out - r0 < 4 ? (int)(l->out - r0) : 4;
+        for (int64_t b0 = 0; b0 < B; b0 += 4) {
+            const int NB = B - b0 < 4 ? (int)(B - b0) : 4;
+            float acc[16];
+            tile(l, r0, R, x, b0, NB, acc);
+            for (int r = 0; r < R; r++)
+                for (int b = 0; b < NB; b++) {
+                    float *out = y + (b0 + b) * l->out + r0 + r;
+                    *out = accumulate ? *out + acc[r * 4 + b] : acc[r * 4 + b];
+                }
+        }
+    }
+}
+
+/* act [B, I] = silu(gate) * up, with gate and up the two halves of l's rows: a thread computes the gate rows
+ * and the matching up rows of its share together, so the activation needs no second pass. */
+static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act) {
+    const int64_t I = l->out / 2;
+    int64_t lo, hi;
+    share(team, (I + 3) / 4, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const int64_t r0 = t * 4;
+        const int R = I - r0 < 4 ? (int)(I - r0) : 4;
+        for (int64_t b0 = 0; b0 < B; b0 += 4) {
+            const int NB = B - b0 < 4 ? (int)(B - b0) : 4;
+            float gate[16], up[16];
+            tile(l, r0, R, x, b0, NB, gate);
+            tile(l, I + r0, R, x, b0, NB, up);
+            for (int r = 0; r < R; r++)
+                for (int b = 0; b < NB; b++) {
+                    const float g = gate[r * 4 + b];
+                    act[(b0 + b) * I + r0 + r] = g / (1.f + expf(-g)) * up[r * 4 + b];
+                }
+        }
+    }
+}
+
+/* torch.rms_norm in fp32: x * rsqrt(mean(x^2) + eps) * weight. */
+static void rms_norm(const float *x, const float *w, int64_t n, float eps, float *y) {
+    float ss = 0.f;
+    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
+    const float rstd = 1.f / sqrtf(ss / (float)n + eps);
+    for (int64_t i = 0; i < n; i++) y[i] = x[i] * rstd * w[i];
+}
+
+/* Rotate-half rotary, as RotaryEmbedding.rotate: x * cos + roll(x, D/2) * signed_sin. */
+static void rotate(float *x, const float *cos, const float *ssin, int64_t D) {
+    float tmp[1024];
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < D; d++) tmp[d] = x[d] * cos[d] + x[d < half ? d + half : d - half] * ssin[d];
+    memcpy(x, tmp, D * sizeof(float));
+}
+
+INLINE int64_t slot_of(const int32_t *table, int64_t pos, int64_t bs) { return (int64_t)table[pos / bs] * bs + pos % bs; }
+
+INLINE float dot(const float *a, const float *b, int64_t n) {
+    v16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+    float s = hsum(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* One query head group over its sequence's paged context: out[h] for the heads sharing kv head g. Keys and
+ * values are read in place, block by block through the table (no gather). */
+static void attend(const Model *m, const Layer *l, const float *q, const int32_t *table, int64_t len, int64_t g,
+                   float *out, float *scores) {
+    const int64_t D = m->head_dim, Hkv = m->num_kv_heads, group = m->num_heads / Hkv, bs = m->block_size;
+    for (int64_t h = g * group; h < (g + 1) * group; h++) {
+        const float *qh = q + h * D;
+        float mx = -INFINITY;
+        for (int64_t t0 = 0; t0 < len; t0 += bs) {
+            const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
+            for (int64_t j = 0; j < n; j++) {
+                const float s = dot(qh, l->k_cache + ((base + j) * Hkv + g) * D, D) * m->scale;
+                scores[t0 + j] = s;
+                mx = s > mx ? s : mx;
+            }
+        }
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; t++) {
+            scores[t] = expf(scores[t] - mx);
+            sum += scores[t];
+        }
+        const float inv = 1.f / sum;
+        float *o = out + h * D;
+        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+        for (int64_t t0 = 0; t0 < len; t0 += bs) {
+            const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
+            for (int64_t j = 0; j < n; j++) {
+                const float *v = l->v_cache + ((base + j) * Hkv + g) * D, p = scores[t0 + j] * inv;
+                for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+            }
+        }
+    }
+}
+
+typedef struct {
+    float *x, *qkv, *attn, *act;  /* shared by the team */
+    float *h, *scores;            /* per thread: this thread's copy of the normed rows, its softmax scores */
+} Scratch;
+
+/* Every thread norms the rows itself into its own buffer: a few thousand flops instead of a barrier. */
+static float *norm_rows(const Model *m, const float *w, int64_t B, const Scratch *s, const Team *t) {
+    float *h = s->h + t->tid * B * m->hidden;
+    for (int64_t b = 0; b < B; b++) rms_norm(s->x + b * m->hidden, w, m->hidden, m->eps, h + b * m->hidden);
+    return h;
+}
+
+static void attention_block(const Model *m, const Layer *l, int64_t B, const int64_t *positions,
+                            const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
+                            const Scratch *s, int64_t max_len, const Team *team) {
+    const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, qkv_n = l->qkv.out;
+    int64_t lo, hi;
+    linear(team, &l->qkv, norm_rows(m, l->input_norm, B, s, team), B, s->qkv, 0);
+    sync_team(team);
+    /* q/k norm and rotary per (sequence, head), then the new K/V into the pool */
+    share(team, B, &lo, &hi);
+    for (int64_t b = lo; b < hi; b++) {
+        float *q = s->qkv + b * qkv_n, *k = q + Hq * D, *v = k + Hkv * D;
+        const float *cos = m->cos + positions[b] * D, *ssin = m->signed_sin + positions[b] * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *head = q + h * D;  /* q heads then k heads, side by side */
+            if (l->q_norm) rms_norm(head, h < Hq ? l->q_norm : l->k_norm, D, m->eps, head);
+            rotate(head, cos, ssin, D);
+        }
+        const int64_t slot = slot_of(tables + b * table_stride, positions[b], m->block_size);
+        memcpy(l->k_cache + slot * Hkv * D, k, Hkv * D * sizeof(float));
+        memcpy(l->v_cache + slot * Hkv * D, v, Hkv * D * sizeof(float));
+    }
+    sync_team(team);
+    share(team, B * Hkv, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t b = i / Hkv, g = i % Hkv;
+        attend(m, l, s->qkv + b * qkv_n, tables + b * table_stride, seq_lens[b], g, s->attn + b * Hq * D,
+               s->scores + team->tid * max_len);
+    }
+    sync_team(team);
+    linear(team, &l->o, s->attn, B, s->x, 1);
+    sync_team(team);
+}
+
+static void mlp_block(const Model *m, const Layer *l, int64_t B, const Scratch *s, const Team *team) {
+    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, B, s, team), B, s->act);
+    sync_team(team);
+    linear(team, &l->down, s->act, B, s->x, 1);
+    sync_team(team);
+}
+
+/* Logits [B, vocab] of one decode step. Returns 0, or -1 when scratch memory could not be had. */
+API int pc_decode_step(const Model *m, int64_t B, const int64_t *ids, const int64_t *positions,
+                       const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *logits,
+                       int num_threads) {
+    const int64_t H = m->hidden, qkv_n = m->layers[0].qkv.out, I = m->layers[0].down.in;
+    int64_t max_len = 1;
+    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t sizes[] = {B * H, B * qkv_n, B * m->num_heads * m->head_dim, B * I, num_threads * B * H,
+                             num_threads * max_len};
+    int64_t total = 0;
+    for (int i = 0; i < 6; i++) total += (sizes[i] + 15) / 16 * 16;
+    float *mem = aligned_alloc(64, total * sizeof(float));
+    if (!mem) return -1;
+    float *parts[6], *p = mem;
+    for (int i = 0; i < 6; i++) {
+        parts[i] = p;
+        p += (sizes[i] + 15) / 16 * 16;
+    }
+    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]};
+    for (int64_t b = 0; b < B; b++) memcpy(s.x + b * H, m->embed + ids[b] * H, H * sizeof(float));
+    Barrier barrier = {0, 0};
+#pragma omp parallel num_threads(num_threads)
+    {
+        const Team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
+        for (int64_t i = 0; i < m->num_layers; i++) {
+            attention_block(m, &m->layers[i], B, positions, tables, table_stride, seq_lens, &s, max_len, &team);
+            mlp_block(m, &m->layers[i], B, &s, &team);
+        }
+        linear(&team, &m->lm_head, norm_rows(m, m->norm, B, &s, &team), B, logits, 0);
+    }
+    free(mem);
+    return 0;
+}
+
+/* The struct sizes the Python side checks its ctypes mirrors against. */
+API int64_t pc_sizeof_model(void) { return sizeof(Model); }
+API int64_t pc_sizeof_layer(void) { return sizeof(Layer); }

@@ -1,0 +1,211 @@
+"""The native CPU decode step (pagedchat/native): one C call per decode step of a Llama-family model.
+
+It must compute what the torch path computes (logits and the K/V it writes, up to float summation order) on
+every architecture it binds to, fp32 and int8, one thread or two, over scattered block tables and a pool whose
+unused slots hold NaN; the engine must use it for plain decode steps and nothing else; and every way it can be
+unavailable (another family, another dtype, no compiler, PAGEDCHAT_NATIVE=0) must leave the torch path working.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_models import ARCHS
+from oracle import assert_greedy_equal, reference
+from pagedchat.engine import Engine, EngineConfig, SamplingParams
+from pagedchat.model.attention import AttentionMetadata
+from pagedchat.model.quantize import Int8Linear
+from pagedchat.native import build
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+pytestmark = pytest.mark.skipif(build.load(wait=True) is None, reason="no native build here (no C compiler?)")
+
+
+def engine_for(path, **kwargs) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cpu", num_blocks=64, block_size=8, **kwargs),
+                  show_progress=False)
+
+
+def scattered_step(runner, lens: list[int], seed: int):
+    """A decode step over sequences of these lengths: blocks in a shuffled order, the context K/V random, every
+    other slot of the pool NaN (the step must read only a sequence's visible slots)."""
+    g = torch.Generator().manual_seed(seed)
+    bs = runner.block_size
+    needed = [-(-n // bs) for n in lens]
+    order = torch.randperm(runner.num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in needed:
+        tables.append(order[used:used + n])
+        used += n
+    width = max(needed)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    for cache in runner.k_caches + runner.v_caches:
+        cache.fill_(float("nan"))
+        for t, n in zip(tables, lens):
+            slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(n - 1)], dtype=torch.long)
+            cache.view(-1, *cache.shape[2:])[slots] = torch.randn(len(slots), *cache.shape[2:], generator=g)
+    ids = torch.randint(3, runner.loaded.spec.vocab_size, (len(lens),), generator=g)
+    positions = torch.tensor([n - 1 for n in lens])
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)])
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    meta = AttentionMetadata(slots, table, seq_lens, torch.arange(len(lens) + 1, dtype=torch.int32), True,
+                             max(lens))
+    return ids, positions, meta
+
+
+@torch.inference_mode()
+def torch_step(runner, ids, positions, meta) -> torch.Tensor:
+    return runner.model.compute_logits(runner.model(ids, positions, meta))
+
+
+def fp32_reference_int8(model) -> None:
+    """int8 layers through the dequantized fp32 matmul: the native step's arithmetic (int8 weight times fp32
+    activation, scaled after), where the packed torch kernel rounds activations to bf16."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.packed = False
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_step_computes_the_torch_step(model_dirs, arch, quantize, threads):
+    engine = engine_for(model_dirs[arch][0], quantize=quantize)
+    runner = engine.runner
+    assert runner.native is not None, f"{arch} should bind the native step"
+    fp32_reference_int8(runner.model)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for seed, lens in enumerate([[1], [37], [5, 17, 2, 30, 9], [8] * 6]):
+            ids, positions, meta = scattered_step(runner, lens, seed)
+            saved = [c.clone() for c in runner.k_caches + runner.v_caches]
+            expected = torch_step(runner, ids, positions, meta)
+            written = [c.view(-1, *c.shape[2:])[meta.slot_mapping].clone() for c in runner.k_caches + runner.v_caches]
+            for cache, old in zip(runner.k_caches + runner.v_caches, saved):
+                cache.copy_(old)
+            got = runner.native.step(ids, positions, meta.block_tables, meta.seq_lens)
+            assert torch.isfinite(got).all()
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+            for cache, want in zip(runner.k_caches + runner.v_caches, written):
+                torch.testing.assert_close(cache.view(-1, *cache.shape[2:])[meta.slot_mapping], want,
+                                           rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def count_native_steps(runner) -> list[int]:
+    calls, inner = [], runner.native.step
+    runner.native.step = lambda *a: calls.append(a[0].shape[0]) or inner(*a)
+    return calls
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_decodes_through_the_native_step_and_matches_transformers(model_dirs, arch):
+    path, hf = model_dirs[arch]
+    engine = engine_for(path)
+    calls = count_native_steps(engine.runner)
+    prompts = [[5 + i for i in range(n)] for n in (3, 11, 26)]
+    outs = engine.generate(prompts, GREEDY.with_(ignore_eos=False))  # transformers stops at EOS too
+    # every token after a sequence's first comes from a decode step, but in the step or two that also finish
+    # another sequence's prefill
+    assert sum(calls) >= sum(len(out.outputs[0].token_ids) - 1 for out in outs) - 3 > 0
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, GREEDY.max_tokens))
+
+
+def test_steps_that_need_hidden_states_stay_on_torch(model_dirs):
+    """Prompt log-probabilities read the hidden states of the step: such a batch never goes native, and its
+    results are the torch path's."""
+    engine = engine_for(model_dirs["llama"][0])
+    calls = count_native_steps(engine.runner)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    native_out = engine.generate([[7, 8, 9, 10]], params)[0]
+    assert calls == []
+    engine.runner.native = None
+    torch_out = engine.generate([[7, 8, 9, 10]], params)[0]
+    assert native_out.prompt_logprobs == torch_out.prompt_logprobs
+
+
+def test_native_and_torch_engines_agree_on_forks_and_shared_blocks(model_dirs):
+    """n variants share their prompt's blocks and copy the partial one on write: the native step writes into
+    the copies the scheduler made, so sampled variants equal the torch path's token for token."""
+    engine = engine_for(model_dirs["qwen2"][0])
+    params = SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=10, ignore_eos=True)
+    prompt = list(range(5, 15))
+    native = [c.token_ids for c in engine.generate([prompt], params)[0].outputs]
+    engine.runner.native = None
+    assert [c.token_ids for c in engine.generate([prompt], params)[0].outputs] == native
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "mixtral"])
+def test_other_families_keep_the_torch_path(model_dirs, arch):
+    assert engine_for(model_dirs[arch][0]).runner.native is None
+
+
+def test_half_precision_keeps_the_torch_path(model_dirs):
+    assert engine_for(model_dirs["llama"][0], dtype="bfloat16").runner.native is None
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """build.load() tried again from scratch, with an empty cache."""
+    monkeypatch.setattr(build, "_loaded", None)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh-cache"))
+    return build
+
+
+def test_switched_off_by_the_environment(model_dirs, fresh_build, monkeypatch):
+    monkeypatch.setenv("PAGEDCHAT_NATIVE", "0")
+    engine = engine_for(model_dirs["llama"][0])
+    assert engine.runner.native is None and fresh_build.status() == "native decode: off (PAGEDCHAT_NATIVE=0)"
+    path, hf = model_dirs["llama"]
+    assert_greedy_equal(engine.generate([[4, 5, 6]], GREEDY)[0].outputs[0].token_ids,
+                        *reference(hf, [4, 5, 6], GREEDY.max_tokens))
+
+
+def test_a_failed_build_leaves_the_torch_path(model_dirs, fresh_build, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    assert fresh_build.load(wait=True) is None
+    assert fresh_build.status().startswith("native decode: off (build failed:")  # and it is not retried
+    engine = engine_for(model_dirs["llama"][0])
+    assert engine.runner.native is None
+    path, hf = model_dirs["llama"]
+    assert_greedy_equal(engine.generate([[4, 5, 6]], GREEDY)[0].outputs[0].token_ids,
+                        *reference(hf, [4, 5, 6], GREEDY.max_tokens))
+
+
+def test_the_first_engine_builds_in_the_background_and_switches_when_ready(model_dirs, fresh_build, monkeypatch):
+    """No cached build: the engine starts at once on the torch path, one detached build runs, and a decode
+    step after it finished binds the native step."""
+    import time
+
+    from pagedchat.engine import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "NATIVE_RETRY_S", 0.0)
+    engine = engine_for(model_dirs["llama"][0])
+    assert engine.runner.native is None and fresh_build.building()
+    assert fresh_build.load() is None and fresh_build.building()  # a second look starts no second build
+    target = fresh_build.library_path(fresh_build._compiler())
+    deadline = time.monotonic() + 120
+    while not target.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert target.exists(), "the background build did not finish"
+    path, hf = model_dirs["llama"]
+    out = engine.generate([[4, 5, 6]], GREEDY)[0].outputs[0].token_ids
+    assert engine.runner.native is not None
+    assert_greedy_equal(out, *reference(hf, [4, 5, 6], GREEDY.max_tokens))
+
+
+def test_a_build_is_cached_and_named_by_its_source(fresh_build, monkeypatch, tmp_path):
+    lib = fresh_build.load(wait=True)
+    compiler = fresh_build._compiler()
+    target = fresh_build.library_path(compiler)
+    assert lib is not None and target.exists() and target.parent == fresh_build.cache_dir()
+    assert not list(target.parent.glob("*.tmp"))  # built under a private name, renamed into place
+    changed = tmp_path / "decode.c"
+    changed.write_text(fresh_build.SOURCE.read_text() + "\n/* another version */\n")
+    monkeypatch.setattr(fresh_build, "SOURCE", changed)
+    assert fresh_build.library_path(compiler) != target  # an edited source is never served a stale build
