@@ -159,10 +159,12 @@ TILE(tile_i8, int8_t, load16q, INT8_TO_FLOAT)
  *
  * Not OpenMP's barrier: pagedchat runs OpenMP with passive waiting (threads.py: spinning threads beside a
  * busy process slowed decode 20-100x), and a passive barrier is a futex sleep and wake, ~30-50 us, ~50 times a
- * step. This one spins briefly (the other threads are a few microseconds behind when the machine is free),
- * then yields the core to whoever needs it. */
+ * step. This one spins briefly (on a free machine the other threads arrive within microseconds), then sleeps
+ * on a futex: beside a busy process a thread of ours is often preempted, and a waiter that kept the core
+ * (spinning or sched_yield) would keep it from the very thread it waits for. */
 typedef struct {
-    _Atomic int arrived, generation;
+    _Atomic int arrived, generation, sleepers;
+    _Atomic int64_t next_tile;  /* the next unclaimed row tile of the running linear layer */
 } Barrier;
 
 typedef struct {
@@ -175,20 +177,46 @@ typedef struct {
 #else
 #define CPU_RELAX() ((void)0)
 #endif
-#define SPINS_BEFORE_YIELD 2000
+#define SPINS_BEFORE_SLEEP 1000
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+static void sleep_while(_Atomic int *word, int value) {
+    syscall(SYS_futex, (int *)word, FUTEX_WAIT_PRIVATE, value, NULL, NULL, 0);
+}
+static void wake_all(_Atomic int *word) { syscall(SYS_futex, (int *)word, FUTEX_WAKE_PRIVATE, 1 << 30, NULL, NULL, 0); }
+#else
+static void sleep_while(_Atomic int *word, int value) { (void)word; (void)value; sched_yield(); }
+static void wake_all(_Atomic int *word) { (void)word; }
+#endif
 
 static void sync_team(const Team *t) {
-    if (t->n == 1) return;
     Barrier *b = t->barrier;
+    if (t->n == 1) {
+        atomic_store_explicit(&b->next_tile, 0, memory_order_relaxed);
+        return;
+    }
     const int generation = atomic_load_explicit(&b->generation, memory_order_acquire);
     if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == t->n - 1) {
         atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&b->generation, 1, memory_order_release);
+        atomic_store_explicit(&b->next_tile, 0, memory_order_relaxed);  /* everyone is here: the next phase's */
+        /* seq_cst, as the sleeper's side: its (sleepers++, read generation) and this (generation++, read
+         * sleepers) must not both miss the other's write */
+        atomic_fetch_add(&b->generation, 1);
+        if (atomic_load(&b->sleepers) > 0) wake_all(&b->generation);
         return;
     }
     for (int spins = 0; atomic_load_explicit(&b->generation, memory_order_acquire) == generation; spins++) {
-        if (spins < SPINS_BEFORE_YIELD) CPU_RELAX();
-        else sched_yield();
+        if (spins < SPINS_BEFORE_SLEEP) {
+            CPU_RELAX();
+            continue;
+        }
+        atomic_fetch_add(&b->sleepers, 1);
+        /* returns at once if the generation moved since the load: no lost wake-up */
+        sleep_while(&b->generation, generation);
+        atomic_fetch_sub_explicit(&b->sleepers, 1, memory_order_acq_rel);
     }
 }
 
@@ -230,44 +258,58 @@ static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t
 
 /* y [B, out] = x [B, in] @ w.T (+ bias), or y += that (the residual stream) when accumulate; this thread's
  * share of the rows. */
+/* Claims the next GRAB row tiles of the running linear layer into [*lo, *hi); false when none are left.
+ *
+ * Rows are claimed, not split in fixed shares: beside a busy process one of our threads shares its core and
+ * runs at half speed or less, and with fixed shares every step would wait for that thread's half (measured:
+ * 42-52% of the quiet speed kept, against the goal's 50%); claimed tiles go to whoever is running. */
+#define GRAB 8
+static int claim(const Team *t, int64_t tiles, int64_t *lo, int64_t *hi) {
+    *lo = atomic_fetch_add_explicit(&t->barrier->next_tile, GRAB, memory_order_relaxed);
+    *hi = *lo + GRAB < tiles ? *lo + GRAB : tiles;
+    return *lo < tiles;
+}
+
 static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate) {
     int64_t lo, hi;
-    share(team, (l->out + 3) / 4, &lo, &hi);
-    for (int64_t t = lo; t < hi; t++) {
-        const int64_t r0 = t * 4;
-        const int R = l->out - r0 < 4 ? (int)(l->out - r0) : 4;
-        for (int64_t b0 = 0; b0 < B; b0 += 4) {
-            const int NB = B - b0 < 4 ? (int)(B - b0) : 4;
-            float acc[16];
-            tile(l, r0, R, x, b0, NB, acc);
-            for (int r = 0; r < R; r++)
-                for (int b = 0; b < NB; b++) {
-                    float *out = y + (b0 + b) * l->out + r0 + r;
-                    *out = accumulate ? *out + acc[r * 4 + b] : acc[r * 4 + b];
-                }
+    while (claim(team, (l->out + 3) / 4, &lo, &hi)) {
+        for (int64_t t = lo; t < hi; t++) {
+            const int64_t r0 = t * 4;
+            const int R = l->out - r0 < 4 ? (int)(l->out - r0) : 4;
+            for (int64_t b0 = 0; b0 < B; b0 += 4) {
+                const int NB = B - b0 < 4 ? (int)(B - b0) : 4;
+                float acc[16];
+                tile(l, r0, R, x, b0, NB, acc);
+                for (int r = 0; r < R; r++)
+                    for (int b = 0; b < NB; b++) {
+                        float *out = y + (b0 + b) * l->out + r0 + r;
+                        *out = accumulate ? *out + acc[r * 4 + b] : acc[r * 4 + b];
+                    }
+            }
         }
     }
 }
 
 /* act [B, I] = silu(gate) * up, with gate and up the two halves of l's rows: a thread computes the gate rows
- * and the matching up rows of its share together, so the activation needs no second pass. */
+ * and the matching up rows of a tile together, so the activation needs no second pass. */
 static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act) {
     const int64_t I = l->out / 2;
     int64_t lo, hi;
-    share(team, (I + 3) / 4, &lo, &hi);
-    for (int64_t t = lo; t < hi; t++) {
-        const int64_t r0 = t * 4;
-        const int R = I - r0 < 4 ? (int)(I - r0) : 4;
-        for (int64_t b0 = 0; b0 < B; b0 += 4) {
-            const int NB = B - b0 < 4 ? (int)(B - b0) : 4;
-            float gate[16], up[16];
-            tile(l, r0, R, x, b0, NB, gate);
-            tile(l, I + r0, R, x, b0, NB, up);
-            for (int r = 0; r < R; r++)
-                for (int b = 0; b < NB; b++) {
-                    const float g = gate[r * 4 + b];
-                    act[(b0 + b) * I + r0 + r] = g / (1.f + expf(-g)) * up[r * 4 + b];
-                }
+    while (claim(team, (I + 3) / 4, &lo, &hi)) {
+        for (int64_t t = lo; t < hi; t++) {
+            const int64_t r0 = t * 4;
+            const int R = I - r0 < 4 ? (int)(I - r0) : 4;
+            for (int64_t b0 = 0; b0 < B; b0 += 4) {
+                const int NB = B - b0 < 4 ? (int)(B - b0) : 4;
+                float gate[16], up[16];
+                tile(l, r0, R, x, b0, NB, gate);
+                tile(l, I + r0, R, x, b0, NB, up);
+                for (int r = 0; r < R; r++)
+                    for (int b = 0; b < NB; b++) {
+                        const float g = gate[r * 4 + b];
+                        act[(b0 + b) * I + r0 + r] = g / (1.f + expf(-g)) * up[r * 4 + b];
+                    }
+            }
         }
     }
 }
@@ -406,7 +448,7 @@ API int pc_decode_step(const Model *m, int64_t B, const int64_t *ids, const int6
     }
     const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]};
     for (int64_t b = 0; b < B; b++) memcpy(s.x + b * H, m->embed + ids[b] * H, H * sizeof(float));
-    Barrier barrier = {0, 0};
+    Barrier barrier = {0, 0, 0, 0};
 #pragma omp parallel num_threads(num_threads)
     {
         const Team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};

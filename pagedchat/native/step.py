@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import time
 from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
 
 import torch
@@ -113,12 +114,84 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
     return arena
 
 
+class ThreadChoice:
+    """How many threads a decode step of each batch size runs on: the thread budget, half of it, or one,
+    whichever measures fastest.
+
+    Why: beside a busy process one of our threads shares its core, and every phase of a step waits for it at a
+    barrier. On the 2-core machine (small llama, batch 1, beside a CPU burner) 2 threads then ran a step in
+    9.7 ms and 1 thread in 8.7 ms; on the quiet machine 2 threads take 3.9 ms and 1 takes 8.7 ms.
+
+    How, without costing a quiet machine anything: a step's CPU time over its wall time and threads says
+    whether its threads had their cores (0.98-0.99 quiet, 0.43-0.52 beside a burner, measured). A few steps of
+    low use, or of sudden slowness, start a trial: TRIAL_STEPS steps on another option, and the cheapest
+    option is kept. Below the full budget, trials come every so often (16 steps, doubling to MAX_INTERVAL) to
+    notice when the cores are free again; at the full budget only every MAX_INTERVAL steps."""
+
+    TRIAL_STEPS = 5           # the first of them warms the other thread count up and is not counted
+    AFTER_SWITCH = 16
+    MAX_INTERVAL = 1024
+    BUSY_USE = 0.75           # CPU time / (wall time x threads) below this: the threads did not have their cores
+    SLOWER = 1.4              # or a step this much slower than the option's average
+    STRIKES = 3               # this many such steps in a row start a trial
+    EMA = 0.3
+
+    def __init__(self, budget: int):
+        self.options = sorted({budget, max(1, budget // 2), 1}, reverse=True)
+        self.batches: dict[int, dict] = {}
+
+    def _state(self, batch: int) -> dict:
+        if batch not in self.batches:
+            self.batches[batch] = {"best": self.options[0], "cost": {}, "steps": 0, "interval": self.AFTER_SWITCH,
+                                   "next_trial": self.MAX_INTERVAL, "trial": None, "left": 0, "turn": 0,
+                                   "strikes": 0}
+        return self.batches[batch]
+
+    def pick(self, batch: int) -> int:
+        if len(self.options) == 1:
+            return self.options[0]
+        st = self._state(batch)
+        if st["left"] == 0:
+            st["steps"] += 1
+            if st["steps"] >= st["next_trial"] or st["strikes"] >= self.STRIKES:
+                others = [t for t in self.options if t != st["best"]]
+                st["trial"], st["left"], st["strikes"] = others[st["turn"] % len(others)], self.TRIAL_STEPS, 0
+                st["turn"] += 1
+        return st["trial"] if st["left"] else st["best"]
+
+    def record(self, batch: int, threads: int, seconds: float, cpu_seconds: float) -> None:
+        if len(self.options) == 1:
+            return
+        st = self._state(batch)
+        cost = st["cost"]
+        if st["left"] == 0:  # a step of the chosen option
+            starved = threads > 1 and cpu_seconds < self.BUSY_USE * seconds * threads
+            slow = threads in cost and seconds > self.SLOWER * cost[threads]
+            st["strikes"] = st["strikes"] + 1 if starved or slow else 0
+        else:
+            st["left"] -= 1
+            if st["left"] == self.TRIAL_STEPS - 1:
+                return  # the warm-up step
+        cost[threads] = seconds if threads not in cost else (1 - self.EMA) * cost[threads] + self.EMA * seconds
+        if st["trial"] is not None and st["left"] == 0:
+            best = min(cost, key=cost.get)
+            if best == self.options[0]:
+                st["interval"] = self.MAX_INTERVAL
+            elif best != st["best"]:
+                st["interval"] = self.AFTER_SWITCH
+            else:
+                st["interval"] = min(2 * st["interval"], self.MAX_INTERVAL)
+            st["best"], st["trial"] = best, None
+            st["next_trial"] = st["steps"] + st["interval"]
+
+
 class NativeDecode:
     """Runs a decode step through decode.c; holds the tensors it points into so they stay alive."""
 
     def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list):
         self.lib, self.struct, self.layers, self.keep = lib, model_struct, layers, keep
         self.vocab = model_struct.vocab
+        self.threads: ThreadChoice | None = None
         lib.pc_decode_step.restype = c_int
         lib.pc_decode_step.argtypes = [POINTER(_Model), c_int64, _ptr, _ptr, _ptr, c_int64, _ptr, _ptr, c_int]
 
@@ -178,11 +251,16 @@ class NativeDecode:
         """Logits [B, vocab] of a decode step (one new token per sequence, its K/V written into the pool)."""
         assert ids.dtype == positions.dtype == torch.int64 and block_tables.dtype == seq_lens.dtype == torch.int32
         assert block_tables.is_contiguous() and ids.is_contiguous() and positions.is_contiguous()
-        batch = ids.shape[0]
+        batch, budget = ids.shape[0], torch.get_num_threads()
+        if self.threads is None or self.threads.options[0] != budget:  # (the budget was changed: start over)
+            self.threads = ThreadChoice(budget)
+        threads = self.threads.pick(batch)
         logits = torch.empty((batch, self.vocab), dtype=torch.float32)
+        wall, cpu = time.perf_counter(), time.process_time()
         rc = self.lib.pc_decode_step(ctypes.byref(self.struct), batch, ids.data_ptr(), positions.data_ptr(),
                                      block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-                                     logits.data_ptr(), torch.get_num_threads())
+                                     logits.data_ptr(), threads)
+        self.threads.record(batch, threads, time.perf_counter() - wall, time.process_time() - cpu)
         if rc != 0:
             raise MemoryError("native decode step: no memory for its scratch buffers")
         return logits
