@@ -9,11 +9,12 @@
  * Linear layers keep the checkpoint's [out, in] layout, fp32 or int8 with one fp32 scale per output row
  * (pagedchat/model/quantize.py). A tile of 4 rows x up to 4 sequences shares every load: at batch 1 the
  * weights stream once at the memory-bandwidth floor; at batch 16 each weight load feeds 4 sequences.
- * Threads split the rows of every linear layer and the (sequence, kv head) pairs of attention, inside one
- * OpenMP region per step (the same libgomp torch loaded: one thread pool, no oversubscription).
+ * Threads claim the row tiles of every linear layer and split the (sequence, kv head) pairs of attention,
+ * inside one OpenMP region per step (the same libgomp torch loaded: one thread pool, no oversubscription);
+ * how many threads a step gets is the caller's choice (pagedchat/native/step.py ThreadChoice).
  *
- * Built with the machine's C compiler on first use (pagedchat/native/build.py); GCC vector extensions keep it
- * portable: 16-float vectors become AVX-512, 2 x AVX2 or 4 x SSE as the CPU has.
+ * Built with the machine's C compiler on first use (pagedchat/native/build.py); GCC/clang vector extensions
+ * keep it portable: 16-float vectors become AVX-512, 2 x AVX2 or 4 x SSE as the CPU has.
  */
 #include <math.h>
 #include <stdint.h>
@@ -92,6 +93,11 @@ INLINE float hsum(v16 v) {
 }
 
 typedef int32_t v8i __attribute__((vector_size(32)));
+#if defined(__clang__)
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#endif
 
 INLINE v8 fold(v16 v) {
     v8 a, b;
@@ -104,12 +110,12 @@ INLINE v8 fold(v16 v) {
  * 16 sums each, and 16 separate reductions took about a third of a batch-16 step. */
 INLINE v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
     const v8 q0 = fold(p0), q1 = fold(p1), q2 = fold(p2), q3 = fold(p3);
-    const v8i lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
-    const v8 t01 = __builtin_shuffle(q0, q1, lo) + __builtin_shuffle(q0, q1, hi);  /* q0 x4, q1 x4 */
-    const v8 t23 = __builtin_shuffle(q2, q3, lo) + __builtin_shuffle(q2, q3, hi);  /* q2 x4, q3 x4 */
-    const v8 u = __builtin_shuffle(t01, t23, (v8i){0, 1, 8, 9, 4, 5, 12, 13})
-               + __builtin_shuffle(t01, t23, (v8i){2, 3, 10, 11, 6, 7, 14, 15});  /* q0 x2, q2 x2, q1 x2, q3 x2 */
-    const v8 w = __builtin_shuffle(u, (v8i){0, 4, 2, 6, 1, 5, 3, 7});          /* q0 q1 q2 q3, twice */
+    const v8 t01 = SHUFFLE(q0, q1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q0, q1, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 t23 = SHUFFLE(q2, q3, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q2, q3, 4, 5, 6, 7, 12, 13, 14, 15);
+    /* t01: 4 partial sums of q0, then 4 of q1; t23 likewise */
+    const v8 u = SHUFFLE(t01, t23, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(t01, t23, 2, 3, 10, 11, 6, 7, 14, 15);
+    /* u: 2 partial sums each of q0, q2, q1, q3 */
+    const v8 w = SHUFFLE(u, u, 0, 4, 2, 6, 1, 5, 3, 7);  /* q0 q1 q2 q3, twice */
     v4 a, b;
     memcpy(&a, &w, 16);
     memcpy(&b, (const char *)&w + 16, 16);
