@@ -96,6 +96,39 @@ def test_native_step_computes_the_torch_step(model_dirs, arch, quantize, threads
         torch.set_num_threads(old_threads)
 
 
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """Head sizes the native step keeps in registers (64, 128, 256; the tiny test models have 16 and 32)."""
+    from hf_models import build_model
+
+    root = tmp_path_factory.mktemp("wide-heads")
+    made = {}
+    for head_dim, heads, kv in ((64, 4, 2), (128, 2, 1), (256, 2, 2)):
+        path = root / f"d{head_dim}"
+        made[head_dim] = (path, build_model("qwen2", path, hidden_size=head_dim * heads, num_attention_heads=heads,
+                                            num_key_value_heads=kv, intermediate_size=96, num_hidden_layers=1))
+    return made
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_native_step_on_head_sizes_kept_in_registers(wide_heads, head_dim):
+    engine = engine_for(wide_heads[head_dim][0])
+    runner = engine.runner
+    assert runner.native is not None and runner.loaded.spec.head_dim == head_dim
+    for seed, lens in enumerate([[1], [45], [5, 17, 2, 30]]):
+        ids, positions, meta = scattered_step(runner, lens, seed)
+        saved = [c.clone() for c in runner.k_caches + runner.v_caches]
+        expected = torch_step(runner, ids, positions, meta)
+        for cache, old in zip(runner.k_caches + runner.v_caches, saved):
+            cache.copy_(old)
+        got = runner.native.step(ids, positions, meta.block_tables, meta.seq_lens)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    path, hf = wide_heads[head_dim]
+    prompt = [5 + i for i in range(20)]
+    assert_greedy_equal(engine.generate([prompt], GREEDY.with_(ignore_eos=False))[0].outputs[0].token_ids,
+                        *reference(hf, prompt, GREEDY.max_tokens))
+
+
 def count_native_steps(runner) -> list[int]:
     calls, inner = [], runner.native.step
     runner.native.step = lambda *a: calls.append(a[0].shape[0]) or inner(*a)

@@ -347,36 +347,72 @@ INLINE float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* One query head group over its sequence's paged context: out[h] for the heads sharing kv head g. Keys and
- * values are read in place, block by block through the table (no gather). */
+/* Softmax weights in place: exp(s - max) / sum. */
+static void softmax(float *scores, int64_t len) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t t = 0; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
+    for (int64_t t = 0; t < len; t++) {
+        scores[t] = expf(scores[t] - mx);
+        sum += scores[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; t++) scores[t] *= inv;
+}
+
+/* One query head over its sequence's paged context, keys and values read in place block by block through the
+ * table (no gather). DV = head_dim / 16 is a constant after inlining: the query and the output stay in
+ * registers for the whole context (an output in memory made every key a load-add-store chain). */
+INLINE void attend_head(const float *k_cache, const float *v_cache, const float *qh, const int32_t *table,
+                        int64_t len, int64_t bs, int64_t stride, float scale, float *o, float *scores, const int DV) {
+    v16 q[16], acc[16];
+    for (int c = 0; c < DV; c++) q[c] = load16(qh + 16 * c), acc[c] = (v16){0};
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
+        for (int64_t j = 0; j < n; j++) {
+            const float *k = k_cache + (base + j) * stride;
+            v16 d = q[0] * load16(k);
+            for (int c = 1; c < DV; c++) d += q[c] * load16(k + 16 * c);
+            scores[t0 + j] = hsum(d) * scale;
+        }
+    }
+    softmax(scores, len);
+    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+        const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
+        for (int64_t j = 0; j < n; j++) {
+            const float *v = v_cache + (base + j) * stride;
+            const float p = scores[t0 + j];
+            for (int c = 0; c < DV; c++) acc[c] += p * load16(v + 16 * c);
+        }
+    }
+    for (int c = 0; c < DV; c++) memcpy(o + 16 * c, &acc[c], sizeof(v16));
+}
+
+/* Any other head size: the same arithmetic with the output in memory. */
+static void attend_head_any(const float *k_cache, const float *v_cache, const float *qh, const int32_t *table,
+                            int64_t len, int64_t bs, int64_t stride, int64_t D, float scale, float *o,
+                            float *scores) {
+    for (int64_t t = 0; t < len; t++) scores[t] = dot(qh, k_cache + slot_of(table, t, bs) * stride, D) * scale;
+    softmax(scores, len);
+    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
+    for (int64_t t = 0; t < len; t++) {
+        const float *v = v_cache + slot_of(table, t, bs) * stride, p = scores[t];
+        for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
+    }
+}
+
+/* The query heads that share kv head g, over one sequence's context. */
 static void attend(const Model *m, const Layer *l, const float *q, const int32_t *table, int64_t len, int64_t g,
                    float *out, float *scores) {
     const int64_t D = m->head_dim, Hkv = m->num_kv_heads, group = m->num_heads / Hkv, bs = m->block_size;
+    const float *k_cache = l->k_cache + g * D, *v_cache = l->v_cache + g * D;  /* slot stride Hkv * D */
     for (int64_t h = g * group; h < (g + 1) * group; h++) {
         const float *qh = q + h * D;
-        float mx = -INFINITY;
-        for (int64_t t0 = 0; t0 < len; t0 += bs) {
-            const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
-            for (int64_t j = 0; j < n; j++) {
-                const float s = dot(qh, l->k_cache + ((base + j) * Hkv + g) * D, D) * m->scale;
-                scores[t0 + j] = s;
-                mx = s > mx ? s : mx;
-            }
-        }
-        float sum = 0.f;
-        for (int64_t t = 0; t < len; t++) {
-            scores[t] = expf(scores[t] - mx);
-            sum += scores[t];
-        }
-        const float inv = 1.f / sum;
         float *o = out + h * D;
-        for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-        for (int64_t t0 = 0; t0 < len; t0 += bs) {
-            const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
-            for (int64_t j = 0; j < n; j++) {
-                const float *v = l->v_cache + ((base + j) * Hkv + g) * D, p = scores[t0 + j] * inv;
-                for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
-            }
+        switch (D) {
+            case 64: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 4); break;
+            case 128: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 8); break;
+            case 256: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 16); break;
+            default: attend_head_any(k_cache, v_cache, qh, table, len, bs, Hkv * D, D, m->scale, o, scores);
         }
     }
 }
