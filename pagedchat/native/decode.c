@@ -122,13 +122,17 @@ INLINE v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
     return a + b;
 }
 
+/* Sequences per tile: 4 rows x 6 sequences is 24 accumulators, 6 inputs and a weight vector: 31 of the 32
+ * AVX-512 registers, and every weight load feeds 6 FMAs (4 sequences: 4). */
+#define MAX_NB 6
+
 /* y[b, r] = sum_i x[b, i] * w[r, i] for R rows from r0 and NB sequences: every weight vector loaded once
  * feeds NB accumulators, every input vector R. R and NB are constants after inlining: the accumulators stay
  * in registers. */
 #define TILE(NAME, WTYPE, LOAD, SCALAR)                                                                      \
     INLINE void NAME(const WTYPE *w, const float *x, int64_t in, int64_t xstride, int R, int NB, int fetch,  \
                      float *acc) {                                                                          \
-        v16 a[4][4];                                                                                        \
+        v16 a[4][MAX_NB];                                                                                   \
         for (int r = 0; r < R; r++)                                                                         \
             for (int b = 0; b < NB; b++) a[r][b] = (v16){0};                                                \
         int64_t i = 0;                                                                                      \
@@ -138,7 +142,7 @@ INLINE v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
         for (; i + 16 <= in; i += 16) {                                                                     \
             for (int c = 0; c < lines; c++)                                                                 \
                 __builtin_prefetch(next + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 3);                 \
-            v16 xv[4];                                                                                      \
+            v16 xv[MAX_NB];                                                                                 \
             for (int b = 0; b < NB; b++) xv[b] = load16(x + b * xstride + i);                               \
             for (int r = 0; r < R; r++) {                                                                   \
                 v16 wv = LOAD(w + r * in + i);                                                              \
@@ -146,14 +150,14 @@ INLINE v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
             }                                                                                               \
         }                                                                                                   \
         for (int r = 0; r < R; r++) {                                                                       \
-            if (NB == 4) {                                                                                  \
+            int b = 0;                                                                                      \
+            if (NB >= 4) {                                                                                  \
                 const v4 sums = hsum4(a[r][0], a[r][1], a[r][2], a[r][3]);                                  \
-                for (int b = 0; b < 4; b++) acc[r * 4 + b] = sums[b];                                       \
-            } else {                                                                                        \
-                for (int b = 0; b < NB; b++) acc[r * 4 + b] = hsum(a[r][b]);                                \
+                for (; b < 4; b++) acc[r * MAX_NB + b] = sums[b];                                           \
             }                                                                                               \
-            for (int b = 0; b < NB; b++)                                                                    \
-                for (int64_t j = i; j < in; j++) acc[r * 4 + b] += SCALAR(w[r * in + j]) * x[b * xstride + j]; \
+            for (; b < NB; b++) acc[r * MAX_NB + b] = hsum(a[r][b]);                                        \
+            for (b = 0; b < NB; b++)                                                                        \
+                for (int64_t j = i; j < in; j++) acc[r * MAX_NB + b] += SCALAR(w[r * in + j]) * x[b * xstride + j]; \
         }                                                                                                   \
     }
 #define AS_FLOAT(v) (v)
@@ -240,10 +244,12 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
         case 4 * 8 + 2: FN(W, x, in, in, 4, 2, fetch, acc); break;                                         \
         case 4 * 8 + 3: FN(W, x, in, in, 4, 3, fetch, acc); break;                                         \
         case 4 * 8 + 4: FN(W, x, in, in, 4, 4, fetch, acc); break;                                         \
+        case 4 * 8 + 5: FN(W, x, in, in, 4, 5, fetch, acc); break;                                         \
+        case 4 * 8 + 6: FN(W, x, in, in, 4, 6, fetch, acc); break;                                         \
         default: FN(W, x, in, in, R, NB, fetch, acc); break;                                                \
     }
 
-/* acc[r * 4 + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of x_all [B, in]. */
+/* acc[r * MAX_NB + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of x_all [B, in]. */
 static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t b0, int NB, float *acc) {
     const int64_t in = l->in;
     const int fetch = b0 == 0;
@@ -257,8 +263,8 @@ static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t
     }
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) {
-            if (l->scales) acc[r * 4 + b] *= l->scales[r0 + r];
-            if (l->bias) acc[r * 4 + b] += l->bias[r0 + r];
+            if (l->scales) acc[r * MAX_NB + b] *= l->scales[r0 + r];
+            if (l->bias) acc[r * MAX_NB + b] += l->bias[r0 + r];
         }
 }
 
@@ -282,14 +288,14 @@ static void linear(const Team *team, const Linear *l, const float *x, int64_t B,
         for (int64_t t = lo; t < hi; t++) {
             const int64_t r0 = t * 4;
             const int R = l->out - r0 < 4 ? (int)(l->out - r0) : 4;
-            for (int64_t b0 = 0; b0 < B; b0 += 4) {
-                const int NB = B - b0 < 4 ? (int)(B - b0) : 4;
-                float acc[16];
+            for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
+                const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
+                float acc[4 * MAX_NB];
                 tile(l, r0, R, x, b0, NB, acc);
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
                         float *out = y + (b0 + b) * l->out + r0 + r;
-                        *out = accumulate ? *out + acc[r * 4 + b] : acc[r * 4 + b];
+                        *out = accumulate ? *out + acc[r * MAX_NB + b] : acc[r * MAX_NB + b];
                     }
             }
         }
@@ -305,15 +311,15 @@ static void gated_linear(const Team *team, const Linear *l, const float *x, int6
         for (int64_t t = lo; t < hi; t++) {
             const int64_t r0 = t * 4;
             const int R = I - r0 < 4 ? (int)(I - r0) : 4;
-            for (int64_t b0 = 0; b0 < B; b0 += 4) {
-                const int NB = B - b0 < 4 ? (int)(B - b0) : 4;
-                float gate[16], up[16];
+            for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
+                const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
+                float gate[4 * MAX_NB], up[4 * MAX_NB];
                 tile(l, r0, R, x, b0, NB, gate);
                 tile(l, I + r0, R, x, b0, NB, up);
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
-                        const float g = gate[r * 4 + b];
-                        act[(b0 + b) * I + r0 + r] = g / (1.f + expf(-g)) * up[r * 4 + b];
+                        const float g = gate[r * MAX_NB + b];
+                        act[(b0 + b) * I + r0 + r] = g / (1.f + expf(-g)) * up[r * MAX_NB + b];
                     }
             }
         }
