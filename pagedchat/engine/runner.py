@@ -57,7 +57,8 @@ class ModelRunner:
         self.k_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
         self.v_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
         backend = "torch" if self.device.type == "cpu" else "auto"
-        for layer, slot in zip(self.model.attention_layers(), slots):
+        self.attention_layers = self.model.attention_layers()
+        for layer, slot in zip(self.attention_layers, slots):
             layer.k_cache, layer.v_cache, layer.backend = self.k_caches[slot], self.v_caches[slot], backend
         for moe in getattr(self.model, "moe_layers", list)():
             moe.backend = backend
@@ -217,7 +218,7 @@ class ModelRunner:
         return self.native is not None and meta.is_decode and len(sample_rows) == len(batch.items) \
             and all(seq.request.params.prompt_logprobs is None and not seq.request.params.embed
                     for seq, _ in batch.items) \
-            and all(layer.backend == "torch" for layer in self.model.attention_layers())
+            and all(layer.backend == "torch" for layer in self.attention_layers)
 
     def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> None:
         """Prompt log-probabilities (echo) of this step's prefill chunks, reduced per chunk: row p scores
