@@ -25,9 +25,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session", autouse=True)
 def xdg_cache_for_the_session(tmp_path_factory):
     """Engines built by module- and session-scoped fixtures (before `xdg_home` runs) keep their disk KV
-    tier in a temporary folder too, never in the user's ~/.cache."""
+    tier in a temporary folder too, never in the user's ~/.cache. The native decode step is built once for
+    the session, in a folder every test and every CLI subprocess shares (each test's own cache folder would
+    otherwise start a background build in every subprocess that loads a model)."""
+    from pagedchat.native import build
+
     patch = pytest.MonkeyPatch()
     patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("session-cache")))
+    patch.setenv(build.CACHE_ENV, str(tmp_path_factory.mktemp("native-build")))
+    build.load(wait=True)
     yield
     patch.undo()
 

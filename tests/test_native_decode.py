@@ -186,7 +186,7 @@ def test_half_precision_keeps_the_torch_path(model_dirs):
 def fresh_build(monkeypatch, tmp_path):
     """build.load() tried again from scratch, with an empty cache."""
     monkeypatch.setattr(build, "_loaded", None)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "fresh-cache"))
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "fresh-cache"))
     return build
 
 

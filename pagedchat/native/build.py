@@ -30,6 +30,7 @@ from pathlib import Path
 SOURCE = Path(__file__).with_name("decode.c")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden"]
 ENV_SWITCH = "PAGEDCHAT_NATIVE"
+CACHE_ENV = "PAGEDCHAT_NATIVE_CACHE"  # where builds live (the tests keep one for the session: conftest.py)
 # A build marker older than this is a build that died (killed machine, full disk): try again.
 STALE_BUILD_S = 300
 
@@ -38,6 +39,9 @@ _why_not = "not tried"
 
 
 def cache_dir() -> Path:
+    """$PAGEDCHAT_NATIVE_CACHE, else $XDG_CACHE_HOME/pagedchat/native (~/.cache/pagedchat/native)."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "pagedchat" / "native"
 
