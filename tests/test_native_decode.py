@@ -203,11 +203,24 @@ def test_a_failed_build_leaves_the_torch_path(model_dirs, fresh_build, monkeypat
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     assert fresh_build.load(wait=True) is None
     assert fresh_build.status().startswith("native decode: off (build failed:")  # and it is not retried
+    assert "to try again" in fresh_build.status()
     engine = engine_for(model_dirs["llama"][0])
     assert engine.runner.native is None
     path, hf = model_dirs["llama"]
     assert_greedy_equal(engine.generate([[4, 5, 6]], GREEDY)[0].outputs[0].token_ids,
                         *reference(hf, [4, 5, 6], GREEDY.max_tokens))
+
+
+def test_a_cache_folder_that_cannot_be_written_leaves_the_torch_path(model_dirs, fresh_build, monkeypatch, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(fresh_build.CACHE_ENV, str(blocker / "native"))
+    for wait in (False, True):
+        assert fresh_build.load(wait=wait) is None
+        assert fresh_build.status().startswith("native decode: off (build failed:")
+    engine = engine_for(model_dirs["llama"][0])
+    assert engine.runner.native is None
+    assert engine.generate([[4, 5, 6]], GREEDY)[0].outputs[0].token_ids
 
 
 def test_the_first_engine_builds_in_the_background_and_switches_when_ready(model_dirs, fresh_build, monkeypatch):

@@ -200,12 +200,12 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]), samplers
 
     def _bind_native(self) -> None:
-        from pagedchat.native import build
-        from pagedchat.native.step import NativeDecode
-
         now = time.monotonic()
         if self._native_next_try is None or now < self._native_next_try:
             return
+        from pagedchat.native import build
+        from pagedchat.native.step import NativeDecode
+
         self.native = NativeDecode.bind(self.model, self.k_caches, self.v_caches, self.block_size)
         self._native_next_try = now + NATIVE_RETRY_S if self.native is None and build.building() else None
 

@@ -86,8 +86,10 @@ def build(compiler: str, target: Path) -> None:
                        text=True, timeout=120)
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
-        detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
-        _failed_marker(target).write_text(detail[-1] if detail else type(e).__name__)
+        try:
+            _failed_marker(target).write_text(_first_line(e))
+        except OSError:
+            pass  # (the folder itself cannot be written: every process finds that out again)
         raise
     finally:
         if os.path.exists(tmp):
@@ -114,9 +116,15 @@ def _start_background_build(compiler: str, target: Path) -> bool:
     return True
 
 
+def _first_line(e: BaseException) -> str:
+    detail = (getattr(e, "stderr", None) or str(e)).strip().splitlines()
+    return detail[-1] if detail else type(e).__name__
+
+
 def load(wait: bool = False) -> "ctypes.CDLL | None":
     """The compiled decode step, or None. With no build cached: wait=True builds it now; wait=False starts a
-    background build and returns None (call again later)."""
+    background build and returns None (call again later). Never raises: whatever stops it (no compiler, a
+    failed build, a cache folder that cannot be written) leaves the torch path and a reason in status()."""
     global _loaded, _why_not
     if _loaded is not None:
         return _loaded
@@ -129,19 +137,19 @@ def load(wait: bool = False) -> "ctypes.CDLL | None":
         return None
     target = library_path(compiler)
     failed = _failed_marker(target)
-    if not target.exists() and failed.exists():
-        _why_not = f"build failed: {failed.read_text().strip()}"
-        return None
-    if not target.exists():
-        if not wait:
+    try:
+        if not target.exists() and failed.exists():
+            _why_not = f"build failed: {failed.read_text().strip()} (remove {failed} to try again)"
+            return None
+        if not target.exists() and not wait:
             _start_background_build(compiler, target)
             _why_not = "building in the background"
             return None
-        try:
+        if not target.exists():
             build(compiler, target)
-        except (OSError, subprocess.SubprocessError):
-            _why_not = f"build failed: {failed.read_text().strip()}"
-            return None
+    except (OSError, subprocess.SubprocessError) as e:
+        _why_not = f"build failed: {_first_line(e)}"
+        return None
     try:
         _loaded = ctypes.CDLL(str(target))
     except OSError as e:

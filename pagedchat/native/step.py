@@ -1,6 +1,6 @@
 """The native decode step (decode.c) bound to one loaded Llama-family model and its pool's caches.
 
-`NativeDecode.bind(model, k_caches, v_caches)` returns None for what the C step does not cover, and the
+`NativeDecode.bind(model, k_caches, v_caches, block_size)` returns None for what the C step does not cover, and the
 runner keeps the torch path for those: another family (Gemma, MoE, Phi-3's partial rotary), sliding-window
 layer groups, a dtype other than fp32 (its weights; int8 layers keep fp32 activations), a device other than
 CPU, or no compiler. The structs below mirror decode.c's; their sizes are checked against the library's.
@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import time
+from dataclasses import dataclass, field
 from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
 
 import torch
@@ -138,51 +139,66 @@ class ThreadChoice:
 
     def __init__(self, budget: int):
         self.options = sorted({budget, max(1, budget // 2), 1}, reverse=True)
-        self.batches: dict[int, dict] = {}
+        self.batches: dict[int, _Choice] = {}
 
-    def _state(self, batch: int) -> dict:
+    def _state(self, batch: int) -> "_Choice":
         if batch not in self.batches:
-            self.batches[batch] = {"best": self.options[0], "cost": {}, "steps": 0, "interval": self.AFTER_SWITCH,
-                                   "next_trial": self.MAX_INTERVAL, "trial": None, "left": 0, "turn": 0,
-                                   "strikes": 0}
+            self.batches[batch] = _Choice(best=self.options[0], interval=self.AFTER_SWITCH,
+                                          next_trial=self.MAX_INTERVAL)
         return self.batches[batch]
 
     def pick(self, batch: int) -> int:
         if len(self.options) == 1:
             return self.options[0]
         st = self._state(batch)
-        if st["left"] == 0:
-            st["steps"] += 1
-            if st["steps"] >= st["next_trial"] or st["strikes"] >= self.STRIKES:
-                others = [t for t in self.options if t != st["best"]]
-                st["trial"], st["left"], st["strikes"] = others[st["turn"] % len(others)], self.TRIAL_STEPS, 0
-                st["turn"] += 1
-        return st["trial"] if st["left"] else st["best"]
+        if st.left == 0:
+            st.steps += 1
+            if st.steps >= st.next_trial or st.strikes >= self.STRIKES:
+                others = [t for t in self.options if t != st.best]
+                st.trial, st.left, st.strikes = others[st.trials % len(others)], self.TRIAL_STEPS, 0
+                st.trials += 1
+        return st.trial if st.left else st.best
 
     def record(self, batch: int, threads: int, seconds: float, cpu_seconds: float) -> None:
+        """One step's wall time and the process's CPU time during it (other threads of ours that run meanwhile
+        count too: they can hide a starved step, never invent one)."""
         if len(self.options) == 1:
             return
         st = self._state(batch)
-        cost = st["cost"]
-        if st["left"] == 0:  # a step of the chosen option
+        if st.left == 0:  # a step of the chosen option
             starved = threads > 1 and cpu_seconds < self.BUSY_USE * seconds * threads
-            slow = threads in cost and seconds > self.SLOWER * cost[threads]
-            st["strikes"] = st["strikes"] + 1 if starved or slow else 0
+            slow = threads in st.cost and seconds > self.SLOWER * st.cost[threads]
+            st.strikes = st.strikes + 1 if starved or slow else 0
         else:
-            st["left"] -= 1
-            if st["left"] == self.TRIAL_STEPS - 1:
+            st.left -= 1
+            if st.left == self.TRIAL_STEPS - 1:
                 return  # the warm-up step
-        cost[threads] = seconds if threads not in cost else (1 - self.EMA) * cost[threads] + self.EMA * seconds
-        if st["trial"] is not None and st["left"] == 0:
-            best = min(cost, key=cost.get)
+        old = st.cost.get(threads)
+        st.cost[threads] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
+        if st.trial is not None and st.left == 0:
+            best = min(st.cost, key=st.cost.get)
             if best == self.options[0]:
-                st["interval"] = self.MAX_INTERVAL
-            elif best != st["best"]:
-                st["interval"] = self.AFTER_SWITCH
+                st.interval = self.MAX_INTERVAL
+            elif best != st.best:
+                st.interval = self.AFTER_SWITCH
             else:
-                st["interval"] = min(2 * st["interval"], self.MAX_INTERVAL)
-            st["best"], st["trial"] = best, None
-            st["next_trial"] = st["steps"] + st["interval"]
+                st.interval = min(2 * st.interval, self.MAX_INTERVAL)
+            st.best, st.trial = best, None
+            st.next_trial = st.steps + st.interval
+
+
+@dataclass
+class _Choice:
+    """ThreadChoice's state for one batch size."""
+    best: int                     # the thread count in use
+    interval: int                 # steps between trials
+    next_trial: int               # the step count at which the next trial starts
+    cost: dict[int, float] = field(default_factory=dict)  # threads -> average seconds per step
+    steps: int = 0                # steps taken on the chosen option
+    trial: int | None = None      # the thread count on trial
+    left: int = 0                 # steps of the trial still to run
+    trials: int = 0               # trials so far (they take the other options in turn)
+    strikes: int = 0              # starved or slow steps in a row
 
 
 class NativeDecode:
