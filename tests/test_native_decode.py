@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from hf_models import ARCHS
 from oracle import assert_greedy_equal, reference
@@ -127,6 +129,32 @@ def test_native_step_on_head_sizes_kept_in_registers(wide_heads, head_dim):
     prompt = [5 + i for i in range(20)]
     assert_greedy_equal(engine.generate([prompt], GREEDY.with_(ignore_eos=False))[0].outputs[0].token_ids,
                         *reference(hf, prompt, GREEDY.max_tokens))
+
+
+@pytest.fixture(scope="module")
+def property_engines(model_dirs):
+    return {(arch, q): engine_for(model_dirs[arch][0], quantize=q) for arch, q in (("llama", None), ("qwen3", "int8"))}
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lens=st.lists(st.integers(1, 56), min_size=1, max_size=9), seed=st.integers(0, 2**16),
+       which=st.sampled_from([("llama", None), ("qwen3", "int8")]), threads=st.sampled_from([1, 2]))
+def test_any_batch_of_decode_steps_equals_the_torch_step(property_engines, lens, seed, which, threads):
+    """Random batch sizes, context lengths (within a block, across blocks, ending mid-block) and block orders."""
+    runner = property_engines[which].runner
+    fp32_reference_int8(runner.model)
+    ids, positions, meta = scattered_step(runner, lens, seed)
+    saved = [c.clone() for c in runner.k_caches + runner.v_caches]
+    expected = torch_step(runner, ids, positions, meta)
+    for cache, old in zip(runner.k_caches + runner.v_caches, saved):
+        cache.copy_(old)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = runner.native.step(ids, positions, meta.block_tables, meta.seq_lens)
+    finally:
+        torch.set_num_threads(old_threads)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 def count_native_steps(runner) -> list[int]:
