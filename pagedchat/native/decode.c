@@ -137,12 +137,16 @@ INLINE v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
         for (int r = 0; r < R; r++)                                                                         \
             for (int b = 0; b < NB; b++) a[r][b] = (v16){0};                                                \
         int64_t i = 0;                                                                                      \
-        /* the next tile's rows, fetched while these stream (once: later sequences find them in cache) */  \
-        const char *next = (const char *)(w + R * in);                                                      \
+        /* While these rows stream, the next tile's are fetched into L1 and the tile 4 ahead into L2 (once:  \
+         * later sequences find them in cache). The far fetch keeps more of the stream in flight: the       \
+         * matrix-vector pass over the small llama's weights, 8 alternations, 7.2-8.7 ms against 8.2-10.0. */ \
+        const char *next = (const char *)(w + R * in), *far = (const char *)(w + 4 * R * in);             \
         const int lines = fetch ? R * (int)sizeof(WTYPE) / 4 : 0;                                           \
         for (; i + 16 <= in; i += 16) {                                                                     \
-            for (int c = 0; c < lines; c++)                                                                 \
+            for (int c = 0; c < lines; c++) {                                                               \
                 __builtin_prefetch(next + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 3);                 \
+                __builtin_prefetch(far + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 1);                  \
+            }                                                                                               \
             v16 xv[MAX_NB];                                                                                 \
             for (int b = 0; b < NB; b++) xv[b] = load16(x + b * xstride + i);                               \
             for (int r = 0; r < R; r++) {                                                                   \
