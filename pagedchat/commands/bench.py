@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 
@@ -60,7 +60,6 @@ def memory(
     as_json: bool = JSON,
     plot: Optional[str] = PLOT,
 ) -> None:
-    from pagedchat.bench.common import print_json
     from pagedchat.bench.memory import TraceParams, print_memory_report, run_memory_bench
     from pagedchat.bench.window import print_window_report, run_window_bench
 
@@ -80,15 +79,15 @@ def memory(
             _plot_beams(result["beams"], _plot_path(plot))
     if window:
         result["sliding_window"] = run_window_bench()
-    _stamp(result)
-    if as_json:
-        print_json(result)
-        return
-    print_memory_report(result)
-    if window:
-        print_window_report(result["sliding_window"])
-    if beams:
-        print_beam_report(result["beams"])
+
+    def report(result: dict) -> None:
+        print_memory_report(result)
+        if window:
+            print_window_report(result["sliding_window"])
+        if beams:
+            print_beam_report(result["beams"])
+
+    _finish(result, as_json, report)
 
 
 MODEL = typer.Option(None, "-m", "--model", help="models.toml name or local HF folder.")
@@ -132,7 +131,6 @@ def throughput(
 ) -> None:
     import tempfile
 
-    from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
     from pagedchat.bench.throughput import plot_throughput, print_throughput_report, run_throughput_bench
 
@@ -150,18 +148,15 @@ def throughput(
                                       profile=profile)
         if batch1 and device == "cpu":
             result["batch1"] = _batch1_rows(path, threads, repeats, peer, seed)
-    if plot:
-        plot_throughput(result, plot)
-        result["plot"] = plot
-    _stamp(result)
-    if as_json:
-        print_json(result)
-        return
-    print_throughput_report(result)
-    if "batch1" in result:
-        from pagedchat.bench.batch1 import print_batch1_report
 
-        print_batch1_report(result["batch1"])
+    def report(result: dict) -> None:
+        print_throughput_report(result)
+        if "batch1" in result:
+            from pagedchat.bench.batch1 import print_batch1_report
+
+            print_batch1_report(result["batch1"])
+
+    _finish(result, as_json, report, plot, plot_throughput)
 
 
 @bench.command("chat", help="Multi-turn TTFT as the history grows (pinned history vs transformers re-prefill) "
@@ -200,7 +195,6 @@ def chat(
     from pagedchat.bench.chat import plot_chat, print_chat_report, run_chat_bench
     from pagedchat.bench.reopen import (print_reopen_report, print_restart_report, run_reopen_bench,
                                         run_reopen_process_bench, run_serve_restart_bench)
-    from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
 
     histories = _lengths(history, "--history")
@@ -215,40 +209,40 @@ def chat(
         if serve_restart:
             result = run_serve_restart_bench(*_chat_model(model, random_arch, random_size, Path(tmp), max_positions),
                                              histories, repeats=repeats, seed=seed, threads=_threads(threads, device))
-            _stamp(result)
-            print_json(result) if as_json else print_restart_report(result)
+            _finish(result, as_json, print_restart_report)
             return
         if reopen and processes:
             result = run_reopen_process_bench(*_chat_model(model, random_arch, random_size, Path(tmp), max_positions),
                                               histories, message_tokens, reply_tokens, repeats, seed,
                                               _threads(threads, device))
-            _stamp(result)
-            print_json(result) if as_json else print_reopen_report(result)
+            _finish(result, as_json, print_reopen_report)
             return
         path, name = resolve_model(model, random_arch, random_size, Path(tmp), max_positions,
                                    dtype="bfloat16" if random_size == "1b" else "float32")
         if reopen:
             result = run_reopen_bench(path, name, histories, message_tokens, reply_tokens, repeats, block_size,
                                       device, dtype, seed, _threads(threads, device))
-            _stamp(result)
-            print_json(result) if as_json else print_reopen_report(result)
+            _finish(result, as_json, print_reopen_report)
             return
         result = run_chat_bench(path, name, histories=histories, message_tokens=message_tokens,
                                 reply_tokens=reply_tokens, variants=variants, repeats=repeats,
                                 block_size=block_size, device=device, dtype=dtype, seed=seed,
                                 threads=_threads(threads, device), baseline=baseline, beams=beams,
                                 beam_prompts=prompts, beam_tokens=beam_tokens)
-    if plot:
+
+    def draw(result: dict, plot: str) -> None:
         plot_chat(result, plot)
-        result["plot"] = plot
         if beams:
             _plot_beams(result["beams"], plot)
-    _stamp(result)
-    print_json(result) if as_json else print_chat_report(result)
-    if beams and not as_json:
-        from pagedchat.bench.beams import print_beam_report
 
-        print_beam_report(result["beams"])
+    def report(result: dict) -> None:
+        print_chat_report(result)
+        if beams:
+            from pagedchat.bench.beams import print_beam_report
+
+            print_beam_report(result["beams"])
+
+    _finish(result, as_json, report, plot, draw)
 
 
 def _lengths(text: str, flag: str) -> tuple[int, ...]:
@@ -307,7 +301,6 @@ def serve(
     import tempfile
     from pathlib import Path
 
-    from pagedchat.bench.common import print_json
     from pagedchat.bench.load import Workload
     from pagedchat.bench.models import resolve_device
     from pagedchat.bench.serve import SweepParams, check_loopback, plot_serve, print_serve_report, run_serve_bench
@@ -334,11 +327,7 @@ def serve(
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
         path, name = _chat_model(model, random_arch, random_size, Path(tmp))
         result = run_serve_bench(path, name, load, sweep, url=url, show_progress=not as_json)
-    if plot:
-        plot_serve([result], plot)
-        result["plot"] = plot
-    _stamp(result)
-    print_json(result) if as_json else print_serve_report(result)
+    _finish(result, as_json, print_serve_report, plot, lambda result, plot: plot_serve([result], plot))
 
 
 @bench.command("spec", help="Speculative decoding: decode tokens/s with and without it on the same prompts, one "
@@ -362,7 +351,6 @@ def spec(
     import tempfile
     from pathlib import Path
 
-    from pagedchat.bench.common import print_json
     from pagedchat.bench.models import resolve_device, resolve_model
     from pagedchat.bench.spec import plot_spec, print_spec_report, run_spec_bench
 
@@ -376,11 +364,20 @@ def spec(
         result = run_spec_bench(path, name, method, batches=(1, batch) if batch > 1 else (1,),
                                 max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, repeats=repeats,
                                 device=device, threads=_threads(threads, device), seed=seed, draft_model=draft)
-    if plot:
-        plot_spec(result, plot)
+    _finish(result, as_json, print_spec_report, plot, plot_spec)
+
+
+def _finish(result: dict, as_json: bool, report: Callable[[dict], None], plot: Optional[str] = None,
+            draw: Optional[Callable[[dict, str], None]] = None) -> None:
+    """How a bench command ends: its picture when --plot asks for one (the file's name goes into the result),
+    the provenance stamp, then one JSON object or the report."""
+    from pagedchat.bench.common import print_json
+
+    if plot and draw:
+        draw(result, plot)
         result["plot"] = plot
     _stamp(result)
-    print_json(result) if as_json else print_spec_report(result)
+    print_json(result) if as_json else report(result)
 
 
 def _stamp(result: dict) -> None:
