@@ -8,6 +8,8 @@ unavailable (another family, another dtype, no compiler, PAGEDCHAT_NATIVE=0) mus
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -62,6 +64,36 @@ def torch_step(runner, ids, positions, meta) -> torch.Tensor:
     return runner.model.compute_logits(runner.model(ids, positions, meta))
 
 
+@contextlib.contextmanager
+def torch_threads(count: int):
+    old = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def both_steps(runner, lens: list[int], seed: int, threads: int = 1):
+    """One decode step (scattered_step) through the torch path, then from the same pool through the native
+    step on `threads` threads: (torch logits, native logits, the K/V torch wrote at the new slots, the K/V the
+    native step wrote there), one entry per cache in each list."""
+    ids, positions, meta = scattered_step(runner, lens, seed)
+    caches = runner.k_caches + runner.v_caches
+    saved = [c.clone() for c in caches]
+
+    def new_slots():
+        return [c.view(-1, *c.shape[2:])[meta.slot_mapping].clone() for c in caches]
+
+    expected = torch_step(runner, ids, positions, meta)
+    torch_wrote = new_slots()
+    for cache, old in zip(caches, saved):
+        cache.copy_(old)
+    with torch_threads(threads):
+        got = runner.native.step(ids, positions, meta.block_tables, meta.seq_lens)
+    return expected, got, torch_wrote, new_slots()
+
+
 def fp32_reference_int8(model) -> None:
     """int8 layers through the dequantized fp32 matmul: the native step's arithmetic (int8 weight times fp32
     activation, scaled after), where the packed torch kernel rounds activations to bf16."""
@@ -78,24 +110,12 @@ def test_native_step_computes_the_torch_step(model_dirs, arch, quantize, threads
     runner = engine.runner
     assert runner.native is not None, f"{arch} should bind the native step"
     fp32_reference_int8(runner.model)
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for seed, lens in enumerate([[1], [37], [5, 17, 2, 30, 9], [8] * 6]):
-            ids, positions, meta = scattered_step(runner, lens, seed)
-            saved = [c.clone() for c in runner.k_caches + runner.v_caches]
-            expected = torch_step(runner, ids, positions, meta)
-            written = [c.view(-1, *c.shape[2:])[meta.slot_mapping].clone() for c in runner.k_caches + runner.v_caches]
-            for cache, old in zip(runner.k_caches + runner.v_caches, saved):
-                cache.copy_(old)
-            got = runner.native.step(ids, positions, meta.block_tables, meta.seq_lens)
-            assert torch.isfinite(got).all()
-            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-            for cache, want in zip(runner.k_caches + runner.v_caches, written):
-                torch.testing.assert_close(cache.view(-1, *cache.shape[2:])[meta.slot_mapping], want,
-                                           rtol=1e-5, atol=1e-5)
-    finally:
-        torch.set_num_threads(old_threads)
+    for seed, lens in enumerate([[1], [37], [5, 17, 2, 30, 9], [8] * 6]):
+        expected, got, torch_wrote, native_wrote = both_steps(runner, lens, seed, threads)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for wrote, want in zip(native_wrote, torch_wrote):
+            torch.testing.assert_close(wrote, want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +138,7 @@ def test_native_step_on_head_sizes_kept_in_registers(wide_heads, head_dim):
     runner = engine.runner
     assert runner.native is not None and runner.loaded.spec.head_dim == head_dim
     for seed, lens in enumerate([[1], [45], [5, 17, 2, 30]]):
-        ids, positions, meta = scattered_step(runner, lens, seed)
-        saved = [c.clone() for c in runner.k_caches + runner.v_caches]
-        expected = torch_step(runner, ids, positions, meta)
-        for cache, old in zip(runner.k_caches + runner.v_caches, saved):
-            cache.copy_(old)
-        got = runner.native.step(ids, positions, meta.block_tables, meta.seq_lens)
+        expected, got, _, _ = both_steps(runner, lens, seed)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     path, hf = wide_heads[head_dim]
     prompt = [5 + i for i in range(20)]
@@ -143,17 +158,7 @@ def test_any_batch_of_decode_steps_equals_the_torch_step(property_engines, lens,
     """Random batch sizes, context lengths (within a block, across blocks, ending mid-block) and block orders."""
     runner = property_engines[which].runner
     fp32_reference_int8(runner.model)
-    ids, positions, meta = scattered_step(runner, lens, seed)
-    saved = [c.clone() for c in runner.k_caches + runner.v_caches]
-    expected = torch_step(runner, ids, positions, meta)
-    for cache, old in zip(runner.k_caches + runner.v_caches, saved):
-        cache.copy_(old)
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = runner.native.step(ids, positions, meta.block_tables, meta.seq_lens)
-    finally:
-        torch.set_num_threads(old_threads)
+    expected, got, _, _ = both_steps(runner, lens, seed, threads)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 

@@ -51,7 +51,7 @@ typedef struct {
 } Layer;
 
 typedef struct {
-    int64_t hidden, intermediate, num_layers, num_heads, num_kv_heads, head_dim, vocab, block_size;
+    int64_t hidden, num_layers, num_heads, num_kv_heads, head_dim, vocab, block_size;
     float eps, scale;
     const float *embed;                   /* [vocab, hidden] */
     const float *norm;                    /* [hidden] */
@@ -244,7 +244,7 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
     *hi = *lo + chunk < n ? *lo + chunk : n;
 }
 
-/* The specialisations the inliner keeps apart: rows 1..4 (a tail of rows) x sequences 1..4. */
+/* The specialisations the inliner keeps apart: 4 rows x 1..MAX_NB sequences; a tail of rows goes generic. */
 #define DISPATCH(FN, W)                                                                                      \
     switch (R * 8 + NB) {                                                                                   \
         case 4 * 8 + 1: FN(W, x, in, in, 4, 1, fetch, acc); break;                                         \

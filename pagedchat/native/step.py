@@ -33,7 +33,7 @@ class _Layer(ctypes.Structure):
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [("hidden", c_int64), ("intermediate", c_int64), ("num_layers", c_int64), ("num_heads", c_int64),
+    _fields_ = [("hidden", c_int64), ("num_layers", c_int64), ("num_heads", c_int64),
                 ("num_kv_heads", c_int64), ("head_dim", c_int64), ("vocab", c_int64), ("block_size", c_int64),
                 ("eps", c_float), ("scale", c_float), ("embed", _ptr), ("norm", _ptr), ("lm_head", _Linear),
                 ("cos", _ptr), ("signed_sin", _ptr), ("layers", POINTER(_Layer))]
@@ -255,7 +255,7 @@ class NativeDecode:
             qk = [attn.q_norm.weight, attn.k_norm.weight] if spec.qk_norm else [None, None]
             layers[i] = _Layer(*(_addr(t) for t in norms + qk), *linears, _addr(k_caches[i]), _addr(v_caches[i]))
         lm_head = _linear(model.lm_head)
-        struct = _Model(spec.hidden_size, spec.intermediate_size, spec.num_layers, spec.num_heads,
+        struct = _Model(spec.hidden_size, spec.num_layers, spec.num_heads,
                         spec.num_kv_heads, spec.head_dim, spec.vocab_size, block_size, spec.rms_norm_eps,
                         model.layers[0].self_attn.attn.scale, _addr(model.embed_tokens.weight),
                         _addr(model.norm.weight), lm_head, _addr(model.rotary.cos), _addr(model.rotary.signed_sin),
