@@ -292,7 +292,7 @@ def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> N
         fail("stop must be a string or a list of strings", "stop")
     sampling = table.get("sampling") or {}
     if sampling:
-        from pagedchat.engine.sampling_params import SETTING_KEYS, SamplingParams
+        from pagedchat.engine.core.sampling_params import SETTING_KEYS, SamplingParams
 
         bad = sorted(set(sampling) - set(SETTING_KEYS))
         if bad:

@@ -34,7 +34,7 @@ class ModelOptions:
     kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier
 
 
-# KV that outlives a block's eviction and the process (see pagedchat/engine/kv_tiers.py)
+# KV that outlives a block's eviction and the process (see pagedchat/engine/kv/tiers.py)
 DEFAULT_KV_DISK = "2GiB"
 DEFAULT_KV_RAM = "512MiB"
 
@@ -136,7 +136,7 @@ def merge_sampling(model: dict[str, tuple], *layers: dict):
     over the later ones and over the model. Stop strings are the exception: the model's stay in force and
     the winning layer's are added after them (a model's stop strings end its turns, so `--stop`, `/set stop`
     or a request's `stop` cannot switch them off by accident). Returns (SamplingParams, {key: source})."""
-    from pagedchat.engine.sampling_params import SamplingParams
+    from pagedchat.engine.core.sampling_params import SamplingParams
 
     merged = dict(model)
     for layer in reversed(layers):

@@ -29,13 +29,13 @@ import torch
 
 from pagedchat.bench.models import resolve_model
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
-from pagedchat.engine.speculative import Speculator
+from pagedchat.engine.decoding.speculative import Speculator
 
 
 def old_proposer_class(ref: str):
     """The DraftProposer of commit `ref` (its own BlockPool), loaded from git as a module."""
     root = Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{ref}:pagedchat/engine/draft.py"], cwd=root, check=True,
+    source = subprocess.run(["git", "show", f"{ref}:pagedchat/engine/decoding/draft.py"], cwd=root, check=True,
                             capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "draft_before.py"
     path.write_text(source)

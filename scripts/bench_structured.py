@@ -35,7 +35,7 @@ def decode_rate(engine, prompt, params, batch: int) -> tuple[float, float]:
 
 def engine_ratio(args) -> dict:
     from pagedchat.engine import Engine, EngineConfig, SamplingParams
-    from pagedchat.engine.grammar import GrammarSpec
+    from pagedchat.engine.core.grammar import GrammarSpec
 
     engine = Engine(EngineConfig(model=str(args.model), device="cpu"), show_progress=False)
     prompt = engine.encode("Give me the list as JSON.")
@@ -85,7 +85,7 @@ def mask_cost(args) -> dict:
     import llguidance
     import llguidance.hf
 
-    from pagedchat.engine.grammar import Grammars, GrammarSpec
+    from pagedchat.engine.core.grammar import Grammars, GrammarSpec
 
     grammars = Grammars(tokenizer, vocab, {tokenizer.eos_token_id})
     matcher = grammars.matcher(GrammarSpec.json_schema(SCHEMA))

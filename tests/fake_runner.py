@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedchat.engine import Engine, EngineConfig
-from pagedchat.engine.seams import NoModel
+from pagedchat.engine.core.seams import NoModel
 
 EOS = 1
 
@@ -82,7 +82,7 @@ class ContentRunner:
 
 
 class FakeDraftRunner:
-    """A model-free draft over the target's block ids (engine/draft.py): it records which token each slot of
+    """A model-free draft over the target's block ids (engine/decoding/draft.py): it records which token each slot of
     its own cache holds, checks that every position it reads holds its shadow's token (its KV is right, not
     only harmless) and that it writes only into blocks of the target's live table that are private or full
     with the same tokens, and proposes from its own next-token table."""
@@ -125,8 +125,8 @@ class FakeDraftRunner:
 def fake_draft(engine, runner: ContentRunner, num_draft_tokens: int, disagree: float = 0.3, seed: int = 1):
     """Switch a fake engine to a model-free draft in its pool: the target's next-token table with a share of
     rows replaced (those drafts are rejected). Returns the FakeDraftRunner."""
-    from pagedchat.engine.draft import DraftProposer
-    from pagedchat.engine.speculative import Speculator
+    from pagedchat.engine.decoding.draft import DraftProposer
+    from pagedchat.engine.decoding.speculative import Speculator
 
     gen = torch.Generator().manual_seed(seed)
     table = runner.table.clone()
@@ -142,9 +142,9 @@ def fake_draft(engine, runner: ContentRunner, num_draft_tokens: int, disagree: f
 
 def fake_tiers(runner: ContentRunner, ram_bytes: int, disk_dir=None, disk_bytes: int = 1 << 20):
     """RAM and disk tiers over the fake runner's blocks (their payload is the token ids they hold)."""
-    from pagedchat.engine.kv_disk import DiskTier
-    from pagedchat.engine.kv_ram import RamTier
-    from pagedchat.engine.kv_tiers import KVTiers
+    from pagedchat.engine.kv.disk import DiskTier
+    from pagedchat.engine.kv.ram import RamTier
+    from pagedchat.engine.kv.tiers import KVTiers
 
     disk = None
     if disk_dir is not None:

@@ -10,7 +10,7 @@ import struct
 import subprocess
 import sys
 
-from pagedchat.engine.block_pool import BlockPool, chain_hash
+from pagedchat.engine.kv.block_pool import BlockPool, chain_hash
 
 TOKENS = tuple(range(100, 116))
 
@@ -30,7 +30,7 @@ def test_key_is_the_blake2b_digest_of_parent_and_tokens():
 
 
 def test_keys_are_identical_across_processes_and_hash_seeds():
-    code = ("from pagedchat.engine.block_pool import chain_hash; "
+    code = ("from pagedchat.engine.kv.block_pool import chain_hash; "
             f"print(chain_hash(chain_hash(None, {TOKENS!r}), {TOKENS!r}).hex())")
     outputs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed},
                               capture_output=True, text=True, check=True).stdout.strip() for seed in ("1", "2")}

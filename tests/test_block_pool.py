@@ -4,7 +4,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pagedchat.engine.block_pool import BlockPool, OutOfBlocks
+from pagedchat.engine.kv.block_pool import BlockPool, OutOfBlocks
 
 BS = 4
 

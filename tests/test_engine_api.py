@@ -9,7 +9,7 @@ import pytest
 
 from fake_runner import fake_engine
 from pagedchat.engine import Branch, SamplingParams
-from pagedchat.engine.sampling_params import SETTING_KEYS
+from pagedchat.engine.core.sampling_params import SETTING_KEYS
 from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, TooManyVariants
 
 

@@ -28,9 +28,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from fake_runner import fake_draft, fake_engine
 from pagedchat.engine import SamplingParams
-from pagedchat.engine import sequence as sequence_module
-from pagedchat.engine.kv_disk import block_files
-from pagedchat.engine.sequence import SeqStatus
+from pagedchat.engine.core import sequence as sequence_module
+from pagedchat.engine.kv.disk import block_files
+from pagedchat.engine.core.sequence import SeqStatus
 from pagedchat.errors import RequestError
 
 EXAMPLES = int(os.environ.get("PAGEDCHAT_FUZZ_EXAMPLES", "100"))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
-from pagedchat.engine.sequence import SeqStatus
+from pagedchat.engine.core.sequence import SeqStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
-from pagedchat.engine import kv_disk
-from pagedchat.engine.block_pool import chain_hash
-from pagedchat.engine.kv_disk import DiskTier, block_files, folder_usage
-from pagedchat.engine.kv_fingerprint import kv_cache_root
+from pagedchat.engine.kv import disk as kv_disk
+from pagedchat.engine.kv.block_pool import chain_hash
+from pagedchat.engine.kv.disk import DiskTier, block_files, folder_usage
+from pagedchat.engine.kv.fingerprint import kv_cache_root
 from pagedchat.model.loader import load_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
@@ -202,8 +202,8 @@ def test_folder_stays_under_its_budget_least_recently_used_first(tmp_path):
 
 _WRITER = """
 import sys, torch
-from pagedchat.engine.block_pool import chain_hash
-from pagedchat.engine.kv_disk import DiskTier
+from pagedchat.engine.kv.block_pool import chain_hash
+from pagedchat.engine.kv.disk import DiskTier
 tier = DiskTier(sys.argv[1], "fp", 1 << 30, (64, 64), torch.float32, warn=print)
 for round in range(3):
     for i in range(40):
@@ -342,7 +342,7 @@ def test_bench_serve_restart():
 
 
 def test_fingerprint_separates_models_and_settings(model, tmp_path, monkeypatch):
-    from pagedchat.engine import kv_fingerprint as fp
+    from pagedchat.engine.kv import fingerprint as fp
     from pagedchat.model.loader import weight_files
 
     files = weight_files(model)
@@ -370,7 +370,7 @@ def test_fingerprint_separates_models_and_settings(model, tmp_path, monkeypatch)
 def test_blocks_used_within_one_clock_tick_trim_in_the_order_they_were_used(tmp_path, monkeypatch):
     """Recency stamps are strictly increasing within a process: with a clock that does not move, the trim
     order is still the use order (ties made which block survives depend on timing)."""
-    import pagedchat.engine.kv_disk as kv_disk
+    import pagedchat.engine.kv.disk as kv_disk
 
     monkeypatch.setattr(kv_disk.time, "time_ns", lambda: 10**18)
     tier = _tier(tmp_path / "fp")

@@ -261,7 +261,7 @@ def test_the_first_engine_builds_in_the_background_and_switches_when_ready(model
     step after it finished binds the native step."""
     import time
 
-    from pagedchat.engine import runner as runner_module
+    from pagedchat.engine.core import runner as runner_module
 
     monkeypatch.setattr(runner_module, "NATIVE_RETRY_S", 0.0)
     engine = engine_for(model_dirs["llama"][0])

@@ -8,7 +8,7 @@ import pytest
 
 from fake_runner import EOS, fake_engine
 from pagedchat.engine import SamplingParams
-from pagedchat.engine.sequence import SeqStatus
+from pagedchat.engine.core.sequence import SeqStatus
 
 BS = 8          # tokens per block
 BLOCKS = 16     # 128 tokens in all

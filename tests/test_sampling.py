@@ -5,7 +5,7 @@ import torch
 
 from fake_runner import fake_engine
 from pagedchat.engine import SamplingParams
-from pagedchat.engine.sampler import _filter, apply_repetition_penalty
+from pagedchat.engine.decoding.sampler import _filter, apply_repetition_penalty
 from pagedchat.errors import UserError
 
 

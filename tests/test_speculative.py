@@ -11,8 +11,8 @@ import torch
 from fake_runner import EOS, fake_draft, fake_engine
 from hf_models import ARCHS
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
-from pagedchat.engine.sequence import SeqStatus
-from pagedchat.engine.speculative import TAU, DraftBudget, NgramProposer, SpecState
+from pagedchat.engine.core.sequence import SeqStatus
+from pagedchat.engine.decoding.speculative import TAU, DraftBudget, NgramProposer, SpecState
 from test_engine_equality import check
 
 NEW_TOKENS = 24
@@ -507,7 +507,7 @@ def test_draft_kv_lives_in_the_target_pool(model_dirs, bad_draft):
     every slot the draft writes lies in a block of its target's live table, private unless full; and its
     proposals equal the draft model's own greedy run on the same tokens (its KV is right, not only
     harmless), also after preemption and prefix-cache hits."""
-    from pagedchat.engine.block_pool import BlockPool
+    from pagedchat.engine.kv.block_pool import BlockPool
 
     engine = draft_engine(model_dirs, "llama", bad_draft, num_draft_tokens=4, num_blocks=14, block_size=8)
     proposer = engine.speculator.proposer

@@ -7,7 +7,7 @@ import jsonschema
 import pytest
 
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
-from pagedchat.engine.grammar import GrammarError, GrammarSpec
+from pagedchat.engine.core.grammar import GrammarError, GrammarSpec
 
 NAME = {"type": "string", "maxLength": 8}
 SCHEMAS = [

@@ -67,7 +67,7 @@ def beam_pool_blocks(prompt_len: int, new_tokens: int, block_size: int, width: i
 
 def _pseudo_engine(prompt_len: int, new_tokens: int, block_size: int, width: int):
     from pagedchat.engine import Engine, EngineConfig
-    from pagedchat.engine.seams import NoModel
+    from pagedchat.engine.core.seams import NoModel
 
     max_len = prompt_len + new_tokens + 1
     num_blocks = beam_pool_blocks(prompt_len, new_tokens, block_size, width)

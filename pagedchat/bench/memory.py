@@ -141,7 +141,7 @@ class PagedSim:
     def __init__(self, num_blocks: int, block_size: int, max_seqs: int, max_batched_tokens: int,
                  max_len: int, prefix_cache: bool = True, kv_groups=None):
         from pagedchat.engine import Engine, EngineConfig
-        from pagedchat.engine.seams import NoModel
+        from pagedchat.engine.core.seams import NoModel
 
         config = EngineConfig(model="(simulated)", device="cpu", block_size=block_size, num_blocks=num_blocks,
                               max_num_seqs=max_seqs, max_num_batched_tokens=max_batched_tokens,

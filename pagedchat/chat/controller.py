@@ -21,7 +21,7 @@ from pagedchat.chat.store import SaveError, SessionStore
 from pagedchat.chat.tree import Node
 from pagedchat.chat.turns import Templater, TextOnlyTemplater
 from pagedchat.settings import MAX_FORK_VARIANTS, OVERFLOW_POLICIES, SamplingOptions, check_overflow, resolve_sampling
-from pagedchat.engine.sampling_params import SETTING_KEYS, SETTING_TYPES
+from pagedchat.engine.core.sampling_params import SETTING_KEYS, SETTING_TYPES
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
 from pagedchat.words import article
@@ -251,7 +251,7 @@ class ChatController:
         if path.lower() in ("default", "off"):
             self.schema = None
             return "schema off: replies are free text"
-        from pagedchat.engine.grammar import GrammarSpec
+        from pagedchat.engine.core.grammar import GrammarSpec
 
         spec = GrammarSpec.from_schema_file(path)
         self.backend.check_grammar(spec)

@@ -21,8 +21,8 @@ def register(app: typer.Typer) -> None:
 
 
 def _fingerprint_dirs(model: str | None) -> list[Path]:
-    from pagedchat.engine.kv_disk import read_meta
-    from pagedchat.engine.kv_fingerprint import kv_cache_root
+    from pagedchat.engine.kv.disk import read_meta
+    from pagedchat.engine.kv.fingerprint import kv_cache_root
 
     root = kv_cache_root()
     folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
@@ -33,7 +33,7 @@ def _fingerprint_dirs(model: str | None) -> list[Path]:
 
 
 def _model_digest(model: str) -> str:
-    from pagedchat.engine.kv_fingerprint import model_digest
+    from pagedchat.engine.kv.fingerprint import model_digest
     from pagedchat.model.loader import find_model_dir, weight_files
     from pagedchat.registry import Registry
 
@@ -43,8 +43,8 @@ def _model_digest(model: str) -> str:
 
 @cache_app.command("stats", help="Per model fingerprint: blocks, bytes and hits served from disk.")
 def stats(model: Optional[str] = MODEL, as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
-    from pagedchat.engine.kv_disk import folder_usage, read_meta, read_stats
-    from pagedchat.engine.kv_fingerprint import kv_cache_root
+    from pagedchat.engine.kv.disk import folder_usage, read_meta, read_stats
+    from pagedchat.engine.kv.fingerprint import kv_cache_root
 
     rows = []
     for folder in _fingerprint_dirs(model):
@@ -66,7 +66,7 @@ def stats(model: Optional[str] = MODEL, as_json: bool = typer.Option(False, "--j
 
 @cache_app.command("clear", help="Delete the cached blocks (all, or one model's).")
 def clear(model: Optional[str] = MODEL) -> None:
-    from pagedchat.engine.kv_disk import folder_usage
+    from pagedchat.engine.kv.disk import folder_usage
 
     blocks = size = 0
     folders = _fingerprint_dirs(model)

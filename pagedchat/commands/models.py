@@ -69,7 +69,7 @@ def show_model(name: str = typer.Argument(..., help="models.toml name or alias, 
     from rich.table import Table
     from rich.text import Text
 
-    from pagedchat.engine.sampling_params import SETTING_KEYS, SamplingParams
+    from pagedchat.engine.core.sampling_params import SETTING_KEYS, SamplingParams
     from pagedchat.registry import Registry
 
     registry = Registry()

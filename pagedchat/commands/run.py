@@ -209,7 +209,7 @@ def _check_combination(prompt, file, session, continue_last: bool, raw: bool, sy
 def _schema_grammar(path: Path | None):
     if path is None:
         return None
-    from pagedchat.engine.grammar import GrammarSpec
+    from pagedchat.engine.core.grammar import GrammarSpec
 
     return GrammarSpec.from_schema_file(path)
 

@@ -25,22 +25,22 @@ from typing import Iterable, Iterator
 
 import torch
 
-from pagedchat.engine import beam
-from pagedchat.engine.block_pool import BlockPool, PoolStats
-from pagedchat.engine.config import EngineConfig
-from pagedchat.engine.grammar import Grammars
-from pagedchat.engine.kv_tiers import KVTiers, build_tiers
-from pagedchat.engine.logprobs import TokenLogprob, reduce_rows
-from pagedchat.engine.output_processor import OutputProcessor
+from pagedchat.engine.decoding import beam
+from pagedchat.engine.kv.block_pool import BlockPool, PoolStats
+from pagedchat.engine.core.config import EngineConfig
+from pagedchat.engine.core.grammar import Grammars
+from pagedchat.engine.kv.tiers import KVTiers, build_tiers
+from pagedchat.engine.core.logprobs import TokenLogprob, reduce_rows
+from pagedchat.engine.core.output_processor import OutputProcessor
 from pagedchat.engine.outputs import Branch, CompletionOutput, EngineStats, RequestOutput, TokenEvent
-from pagedchat.engine.runner import ModelRunner, kv_bytes_per_block
-from pagedchat.engine.sampler import Sampler, variant_generator
-from pagedchat.engine.sampling_params import SamplingParams
-from pagedchat.engine.scheduler import ScheduledBatch, Scheduler
-from pagedchat.engine.seams import ModelSource, StepRunner
-from pagedchat.engine.sequence import Request, Sequence, SeqStatus
-from pagedchat.engine.window_groups import WindowTables
-from pagedchat.engine.speculative import NgramProposer, Speculator, step_shape
+from pagedchat.engine.core.runner import ModelRunner, kv_bytes_per_block
+from pagedchat.engine.decoding.sampler import Sampler, variant_generator
+from pagedchat.engine.core.sampling_params import SamplingParams
+from pagedchat.engine.core.scheduler import ScheduledBatch, Scheduler
+from pagedchat.engine.core.seams import ModelSource, StepRunner
+from pagedchat.engine.core.sequence import Request, Sequence, SeqStatus
+from pagedchat.engine.core.window_groups import WindowTables
+from pagedchat.engine.decoding.speculative import NgramProposer, Speculator, step_shape
 from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError
 from pagedchat.model.loader import load_model
 
@@ -51,7 +51,7 @@ class Engine:
     def __init__(self, config: EngineConfig, loaded: ModelSource | None = None, show_progress: bool = True,
                  runner: StepRunner | None = None, tiers: KVTiers | None = None):
         """`loaded` and `runner` replace the loaded model and the model runner (property tests and the
-        memory benchmarks drive the real scheduling without a model): see engine/seams.py. `tiers` replaces
+        memory benchmarks drive the real scheduling without a model): see engine/core/seams.py. `tiers` replaces
         the RAM/disk tiers the config asks for (tests give a fake runner its own)."""
         self.config = config
         self.loaded = loaded or load_model(config.model, config.device, config.dtype, config.max_model_len,
@@ -86,7 +86,7 @@ class Engine:
     def _load_draft(self, config: EngineConfig, show_progress: bool) -> LoadedModel | None:
         if not config.draft_model:
             return None
-        from pagedchat.engine.draft import load_draft
+        from pagedchat.engine.decoding.draft import load_draft
 
         return load_draft(config, self.loaded, show_progress)
 
@@ -113,8 +113,8 @@ class Engine:
         self.speculator = self._speculators[method]
 
     def _draft_proposer(self):
-        """The draft model's proposer, its KV in this engine's pool (engine/draft.py)."""
-        from pagedchat.engine.draft import DraftProposer, draft_runner
+        """The draft model's proposer, its KV in this engine's pool (engine/decoding/draft.py)."""
+        from pagedchat.engine.decoding.draft import DraftProposer, draft_runner
 
         runner = draft_runner(self.draft, self.config, self.runner)
         return DraftProposer(runner, self.scheduler, self.runner.copy_blocks, self.loaded.spec.vocab_size,
@@ -133,7 +133,7 @@ class Engine:
         config = self.config
         if not config.enable_prefix_cache or not (config.kv_ram or config.kv_disk):
             return None
-        from pagedchat.engine.kv_fingerprint import engine_fingerprint, kv_cache_root
+        from pagedchat.engine.kv.fingerprint import engine_fingerprint, kv_cache_root
         from pagedchat.model.loader import weight_files
 
         fp, meta = "", {}

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedchat.engine.block_pool import PoolStats
-from pagedchat.engine.logprobs import TokenLogprob
-from pagedchat.engine.sequence import Sequence, SeqStatus
+from pagedchat.engine.kv.block_pool import PoolStats
+from pagedchat.engine.core.logprobs import TokenLogprob
+from pagedchat.engine.core.sequence import Sequence, SeqStatus
 
 
 class Branch:

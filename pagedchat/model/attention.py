@@ -18,7 +18,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor    # [B+1] int32: sequence i owns query rows cu[i]:cu[i+1]
     is_decode: bool               # every sequence has exactly one new token
     max_seq_len: int = 0
-    window_metas: "list[AttentionMetadata] | None" = None  # per window layer group (engine/window_groups.py)
+    window_metas: "list[AttentionMetadata] | None" = None  # per window layer group (engine/core/window_groups.py)
 
 
 class PagedAttention(nn.Module):

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pagedchat.model.checkpoint import materialize
 from pagedchat.model.layers import RotaryEmbedding
 from pagedchat.model.llama import ArchSpec, LlamaFamilyModel
 
@@ -25,27 +26,6 @@ class Family:
     architectures: tuple[str, ...]
     build: Callable[..., nn.Module]   # (config, spec, max_len, device, dtype) -> empty model
     windowed: bool = False      # the model applies the config's sliding windows itself
-
-
-def materialize(make: Callable[[], nn.Module], device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """Build a module on the meta device (no memory, no init) and give every parameter and buffer
-    uninitialized storage on `device` (the checkpoint fills it). Not Module.to_empty: on meta tensors that
-    runs torch's Python reference ops, which import sympy (0.5 s of start-up)."""
-    with torch.device("meta"):
-        module = make()
-    made: dict[int, torch.Tensor] = {}
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, tensor in table.items():
-                if tensor is None:
-                    continue
-                if id(tensor) not in made:  # tied tensors stay one tensor
-                    kind = dtype if tensor.dtype.is_floating_point else tensor.dtype
-                    fresh = torch.empty(tuple(tensor.shape), dtype=kind, device=device)
-                    made[id(tensor)] = nn.Parameter(fresh, requires_grad=False) \
-                        if isinstance(tensor, nn.Parameter) else fresh
-                table[name] = made[id(tensor)]
-    return module
 
 
 def _llama(config, spec: ArchSpec, max_len: int, device: torch.device, dtype: torch.dtype) -> nn.Module:

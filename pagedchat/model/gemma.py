@@ -20,6 +20,7 @@ from torch import nn
 
 from pagedchat.model.kv_groups import plan_groups
 from pagedchat.model.attention import AttentionMetadata, PagedAttention
+from pagedchat.model.checkpoint import materialize, param_target
 from pagedchat.model.llama import ArchSpec
 from pagedchat.model.rope import TableRotary
 
@@ -156,15 +157,13 @@ class GemmaModel(nn.Module):
     def param_target(self, name: str):
         """Checkpoint names as Llama's, after the prefix a vision-language checkpoint puts its text model
         under (`language_model.`, or `model.language_model.` in newer saves); its image tower is skipped."""
-        from pagedchat.model.loader import _param_target
-
         for prefix, replacement in (("model.language_model.", "model."), ("language_model.", "")):
             if name.startswith(prefix):
                 name = replacement + name[len(prefix):]
                 break
         if name.removeprefix("model.").startswith(("vision_tower.", "multi_modal_projector.")):
             return None
-        return _param_target(name, self.spec)
+        return param_target(name, self.spec)
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
@@ -183,8 +182,6 @@ class GemmaModel(nn.Module):
 
 
 def build_gemma_model(config, spec: ArchSpec, max_len: int, device, dtype) -> GemmaModel:
-    from pagedchat.model.families import materialize
-
     gemma = GemmaSpec.from_hf(config)
     if config.model_type == "gemma3_text":
         rotaries = {t: TableRotary.from_config(config, spec.head_dim, max_len, device, layer_type=t)

@@ -1,4 +1,4 @@
-"""How a model's layers map onto the KV pool's layer groups (used by engine/window_groups.py and the runner).
+"""How a model's layers map onto the KV pool's layer groups (used by engine/core/window_groups.py and the runner).
 
 A block id always means `num_slots` layers x block_size tokens, whichever group holds it. Group 0 holds
 every global (full-attention) layer; window layers fill groups of the same size, so each group has its own

@@ -11,6 +11,7 @@ import torch
 
 from pagedchat.dtypes import DTYPES
 from pagedchat.errors import ModelLoadError, SettingError
+from pagedchat.model.checkpoint import param_target
 from pagedchat.model.families import SUPPORTED_ARCHITECTURES, family_for, text_part
 from pagedchat.model.hf_config import read_config
 from pagedchat.model.llama import ArchSpec
@@ -172,24 +173,6 @@ def eos_ids(model_dir: Path, config, tokenizer) -> list[int]:
     return ids
 
 
-def _param_target(name: str, spec: ArchSpec) -> tuple[str, int, int] | None:
-    """Checkpoint tensor name -> (our parameter, row offset, rows) for the fused projections. A model may
-    map names itself (`param_target`, e.g. expert weights into stacked tensors: (parameter, (expert,
-    row offset), rows))."""
-    if name.startswith("model."):
-        name = name[len("model."):]
-    if "rotary_emb" in name:
-        return None
-    q, kv, inter = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.intermediate_size
-    shards = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
-              "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}
-    parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in shards:
-        fused, offset, rows = shards[parts[-2]]
-        return ".".join(parts[:-2] + [fused, parts[-1]]), offset, rows
-    return name, 0, -1
-
-
 def load_weights(model: torch.nn.Module, files: list[Path], show_progress: bool) -> None:
     from safetensors import safe_open
 
@@ -204,7 +187,7 @@ def load_weights(model: torch.nn.Module, files: list[Path], show_progress: bool)
                 raise ModelLoadError(f"{file} is corrupt or truncated: {str(e).splitlines()[0]}") from None
             for key in keys:
                 target = model.param_target(key) if hasattr(model, "param_target") else \
-                    _param_target(key, model.spec)
+                    param_target(key, model.spec)
                 if target is None:
                     continue
                 name, offset, rows = target

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from pagedchat import kernels
+from pagedchat.model.checkpoint import param_target
 from pagedchat.model.llama import ArchSpec, LlamaFamilyModel
 
 
@@ -83,11 +84,9 @@ class MoEModel(LlamaFamilyModel):
 
     def param_target(self, name: str):
         """Expert tensors -> (stacked parameter, (expert, row offset), rows); everything else as Llama."""
-        from pagedchat.model.loader import _param_target
-
         parts = name.removeprefix("model.").replace("block_sparse_moe.", "mlp.").split(".")
         if "experts" not in parts:
-            return _param_target(".".join(parts), self.spec)
+            return param_target(".".join(parts), self.spec)
         i = parts.index("experts")
         prefix, rest = ".".join(parts[:i + 1]), parts[i + 1:]
         size = self.moe.expert_size

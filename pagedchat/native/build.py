@@ -6,7 +6,7 @@ a changed source or another machine sharing the cache never loads a stale or for
 
 The first process that finds no build does not wait for one: it starts the compiler in a detached process and
 goes on with the torch path (a one-shot `run` must not pay a second of compiling; a REPL or server picks the
-library up once it appears, engine/runner.py). That process builds under a private name and renames the result
+library up once it appears, engine/core/runner.py). That process builds under a private name and renames the result
 into place, so a reader never loads half a library; a marker keeps a second process from starting the same
 build, and a failed build leaves its error beside the target instead of being retried by every process.
 

@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedchat.engine import SamplingParams
-from pagedchat.engine.grammar import GrammarError
-from pagedchat.engine.sampling_params import SETTING_KEYS
+from pagedchat.engine.core.grammar import GrammarError
+from pagedchat.engine.core.sampling_params import SETTING_KEYS
 from pagedchat.errors import ContextTooLong, PoolTooSmall, UserError
-from pagedchat.serve import tools
+import pagedchat.serve.tools as tools
 from pagedchat.serve.async_engine import AsyncEngine, Done, GroupFailed, RequestGroup, Token
 from pagedchat.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
 from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, EmbeddingRequest,

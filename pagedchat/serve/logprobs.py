@@ -9,7 +9,7 @@ is what lm-eval's greedy check compares against.
 
 from __future__ import annotations
 
-from pagedchat.engine.logprobs import TokenLogprob
+from pagedchat.engine.core.logprobs import TokenLogprob
 
 
 class TokenText:

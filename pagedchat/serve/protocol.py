@@ -11,8 +11,8 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pagedchat.engine.grammar import GrammarSpec
-from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
+from pagedchat.engine.core.grammar import GrammarSpec
+from pagedchat.engine.core.logprobs import MAX_TOP_LOGPROBS
 from pagedchat.settings import MAX_SERVER_VARIANTS
 
 

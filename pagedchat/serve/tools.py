@@ -18,7 +18,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from pagedchat.engine.grammar import GrammarSpec
+from pagedchat.engine.core.grammar import GrammarSpec
 from pagedchat.serve.protocol import APIError
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

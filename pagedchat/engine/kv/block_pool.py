@@ -30,7 +30,7 @@ def chain_hash(parent: bytes | None, tokens: tuple[int, ...]) -> bytes:
 
 
 def group_key(h: bytes, group: int) -> bytes:
-    """Cache key of a block of layer group `group` (sliding-window groups, engine/window_groups.py): the same
+    """Cache key of a block of layer group `group` (sliding-window groups, engine/core/window_groups.py): the same
     tokens' KV of different layers lives in different blocks. Group 0 (every model's only group, or the
     global layers) keys by the chain hash itself; the others by a digest of it and the group."""
     if group == 0:

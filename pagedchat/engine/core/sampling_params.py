@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-from pagedchat.engine.grammar import GrammarSpec
-from pagedchat.engine.logprobs import MAX_TOP_LOGPROBS
+from pagedchat.engine.core.grammar import GrammarSpec
+from pagedchat.engine.core.logprobs import MAX_TOP_LOGPROBS
 from pagedchat.errors import UserError
 
 

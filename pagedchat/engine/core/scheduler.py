@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedchat.engine.block_pool import BlockPool, chain_hash
-from pagedchat.engine.kv_tiers import KVTiers
-from pagedchat.engine.sequence import Sequence, SeqStatus
-from pagedchat.engine.window_groups import WindowTables
+from pagedchat.engine.kv.block_pool import BlockPool, chain_hash
+from pagedchat.engine.kv.tiers import KVTiers
+from pagedchat.engine.core.sequence import Sequence, SeqStatus
+from pagedchat.engine.core.window_groups import WindowTables
 
 
 @dataclass
@@ -160,7 +160,7 @@ class Scheduler:
         return min(n + len(seq.draft_ids), budget)
 
     def reserve_for_drafts(self, seqs: list[Sequence], ks: list[int]) -> tuple[list[int], list[tuple[int, int]]]:
-        """Before a draft model writes KV for k drafts of each sequence (engine/draft.py), in blocks of the
+        """Before a draft model writes KV for k drafts of each sequence (engine/decoding/draft.py), in blocks of the
         sequence's own table: the table is made to cover the verify step's 1 + k positions, and its blocks from
         the computed frontier on private (copy-on-write now; the copies are returned, for the caller to make on
         the device before the draft's forward). Drafts take only blocks that no running sequence's own next
@@ -367,7 +367,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """A beam that already has its logits (fully computed) is parked instead of queued: it needs no KV
-        until its search picks it (engine/beam.py queues it then)."""
+        until its search picks it (engine/decoding/beam.py queues it then)."""
         parked = _waits_for_siblings(seq)
         self._release(seq)
         self.running.remove(seq)

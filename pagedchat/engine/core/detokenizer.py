@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.sequence import Sequence
 
 
 def decode_new_text(tokenizer, seq: Sequence) -> str:

@@ -18,8 +18,8 @@ from typing import Protocol
 
 import torch
 
-from pagedchat.engine.kv_disk import DiskTier
-from pagedchat.engine.kv_ram import RamTier
+from pagedchat.engine.kv.disk import DiskTier
+from pagedchat.engine.kv.ram import RamTier
 
 _CHUNK_BLOCKS = 64
 

@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from pagedchat.engine.block_pool import BlockPool
-from pagedchat.engine.config import EngineConfig
-from pagedchat.engine.runner import ModelRunner
-from pagedchat.engine.scheduler import ScheduledBatch, Scheduler
-from pagedchat.engine.sequence import Sequence, SeqStatus
+from pagedchat.engine.kv.block_pool import BlockPool
+from pagedchat.engine.core.config import EngineConfig
+from pagedchat.engine.core.runner import ModelRunner
+from pagedchat.engine.core.scheduler import ScheduledBatch, Scheduler
+from pagedchat.engine.core.sequence import Sequence, SeqStatus
 from pagedchat.errors import UserError
 from pagedchat.model.loader import LoadedModel, load_model
 

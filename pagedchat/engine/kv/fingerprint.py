@@ -98,7 +98,7 @@ def fingerprint(model: str, dtype: str, kv_dtype: str, block_size: int, device_t
 
 def _write_quietly(path: Path, data: bytes) -> None:
     """A digest cache that cannot be written only costs the next start a re-hash."""
-    from pagedchat.engine.kv_disk import atomic_write
+    from pagedchat.engine.kv.disk import atomic_write
 
     with contextlib.suppress(OSError):
         atomic_write(path, data)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.sequence import Sequence
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads variant seeds apart
 

@@ -4,8 +4,8 @@ engine does the bookkeeping (finishing, pins) with the reason it returns."""
 
 from __future__ import annotations
 
-from pagedchat.engine.detokenizer import decode_new_text
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.detokenizer import decode_new_text
+from pagedchat.engine.core.sequence import Sequence
 
 
 class OutputProcessor:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedchat.engine.logprobs import TokenLogprob
-from pagedchat.engine.sampling_params import SamplingParams
+from pagedchat.engine.core.logprobs import TokenLogprob
+from pagedchat.engine.core.sampling_params import SamplingParams
 
 
 class SeqStatus(enum.Enum):
@@ -95,7 +95,7 @@ class Request:
     disk_hit_tokens: int = 0             # of those, loaded from the disk tier
     forked: bool = False                 # the n variants exist (after the prompt's prefill)
     error: str | None = None
-    beam: object | None = None           # a BeamSearch (engine/beam.py) when params.beam_width > 0
+    beam: object | None = None           # a BeamSearch (engine/decoding/beam.py) when params.beam_width > 0
     # prompt_logprobs[i] scores prompt token i + 1 (the first token has no context to be scored against)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     hidden_sum: torch.Tensor | None = None   # embed: sum of the prompt's last hidden states so far (fp64)

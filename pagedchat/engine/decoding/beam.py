@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedchat.engine.sequence import Request, Sequence, SeqStatus
+from pagedchat.engine.core.sequence import Request, Sequence, SeqStatus
 
 NEG = -1.0e9  # transformers' "never pick this" offset: kept bit for bit, ties and all
 

@@ -28,8 +28,8 @@ Why this stays correct:
 
 from __future__ import annotations
 
-from pagedchat.engine.block_pool import BlockPool
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.kv.block_pool import BlockPool
+from pagedchat.engine.core.sequence import Sequence
 
 RELEASED = -1
 

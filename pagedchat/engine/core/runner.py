@@ -8,10 +8,10 @@ import time
 import torch
 
 from pagedchat import kernels
-from pagedchat.engine.config import EngineConfig
-from pagedchat.engine.logprobs import score_prompt_chunk
-from pagedchat.engine.scheduler import ScheduledBatch
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.config import EngineConfig
+from pagedchat.engine.core.logprobs import score_prompt_chunk
+from pagedchat.engine.core.scheduler import ScheduledBatch
+from pagedchat.engine.core.sequence import Sequence
 from pagedchat.errors import SettingError
 from pagedchat.memory import available_ram
 from pagedchat.model.attention import AttentionMetadata
@@ -37,7 +37,7 @@ class ModelRunner:
                  layer_groups: bool = True):
         """extra_bytes_per_block: what each block also costs elsewhere (a draft model's KV for as many
         tokens), so the memory budget is split between the two by bytes per token. layer_groups=False: one
-        table for every layer even in a sliding-window model (a draft's, engine/draft.py)."""
+        table for every layer even in a sliding-window model (a draft's, engine/decoding/draft.py)."""
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device

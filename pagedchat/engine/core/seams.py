@@ -9,8 +9,8 @@ from typing import Protocol
 
 import torch
 
-from pagedchat.engine.scheduler import ScheduledBatch
-from pagedchat.engine.sequence import Sequence
+from pagedchat.engine.core.scheduler import ScheduledBatch
+from pagedchat.engine.core.sequence import Sequence
 
 
 class ModelSpec(Protocol):
@@ -28,7 +28,7 @@ class ModelSource(Protocol):
 
 
 class StepRunner(Protocol):
-    """What the engine needs of a `ModelRunner` (pagedchat.engine.runner)."""
+    """What the engine needs of a `ModelRunner` (pagedchat.engine.core.runner)."""
     num_blocks: int              # the KV pool's size, fixed when the runner allocated it
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -38,7 +38,7 @@ class StepRunner(Protocol):
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy (src, dst) blocks now, in every cache indexed by the pool's block ids (used only with a draft
-        model: engine/draft.py copies shared blocks before the draft writes)."""
+        model: engine/decoding/draft.py copies shared blocks before the draft writes)."""
         ...
 
 

@@ -55,7 +55,7 @@ class EngineConfig:
     cuda_graphs: bool = True        # capture decode batches on CUDA
     trust_remote_code: bool = False
     chat_template: str | None = None  # replaces the folder's template (models.toml chat_template), set at load
-    speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/speculative.py)
+    speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/decoding/speculative.py)
     num_draft_tokens: int = 6       # most tokens proposed per sequence and step (adapted per sequence)
     draft_model: str | None = None  # a smaller model with the same tokenizer (speculate="draft")
     quantize: str | None = None     # None/"none" | "int8": weight-only, per-channel scales, from the fp checkpoint

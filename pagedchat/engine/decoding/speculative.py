@@ -43,8 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedchat.engine.sampler import Sampler, exponential_race
-from pagedchat.engine.sequence import Sequence, SeqStatus
+from pagedchat.engine.decoding.sampler import Sampler, exponential_race
+from pagedchat.engine.core.sequence import Sequence, SeqStatus
 
 MAX_N = 4            # longest n-gram looked up (then shorter ones)
 MAX_MATCH = 64       # how far back two matches are compared to pick the better stream
