@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from .int4_reference import int4_dequantize, int4_matmul_ref
 from .moe_reference import fused_moe_ref
 from .windowed_reference import paged_decode_attention_windowed_ref, paged_prefill_attention_windowed_ref
 from .reference import (
@@ -33,7 +34,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 _TRITON_FUNCTIONS = {"paged_decode_attention_triton": "triton_attention",
                      "paged_prefill_attention_triton": "triton_attention",
                      "write_kv_triton": "triton_cache", "copy_blocks_triton": "triton_cache",
-                     "fused_moe_triton": "triton_moe"}
+                     "fused_moe_triton": "triton_moe", "int4_matmul_triton": "triton_int4"}
 
 __all__ = [
     "HAS_TRITON",
@@ -42,6 +43,9 @@ __all__ = [
     "copy_blocks_ref",
     "fused_moe",
     "fused_moe_ref",
+    "int4_dequantize",
+    "int4_matmul",
+    "int4_matmul_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_decode_attention_windowed_ref",
@@ -177,3 +181,11 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, backend=None):
     if resolve_backend(backend, x, w13) == "triton":
         return _triton_function("fused_moe_triton")(x, w13, w2, topk_weights, topk_ids)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
+
+
+def int4_matmul(x, packed, scales, *, backend=None):
+    """x [M, in] times an int4 weight's transpose -> [M, out] in x's dtype: packed uint8 [out, in / 2] and
+    scales float16 [out, in / 32] in pagedchat/model/int4.py's layout (groups of 32, Q4_0 nibble order)."""
+    if resolve_backend(backend, x) == "triton":
+        return _triton_function("int4_matmul_triton")(x, packed, scales)
+    return int4_matmul_ref(x, packed, scales)

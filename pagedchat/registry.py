@@ -280,8 +280,8 @@ def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> N
         fail(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {table['dtype']!r}", "dtype")
     if "speculate" in table and table["speculate"] not in ("ngram", "draft", "off"):
         fail(f"speculate must be ngram, draft or off, got {table['speculate']!r}", "speculate")
-    if "quantize" in table and table["quantize"] not in ("int8", "none"):
-        fail(f"quantize must be int8 or none, got {table['quantize']!r}", "quantize")
+    if "quantize" in table and table["quantize"] not in ("int8", "int4", "none"):
+        fail(f"quantize must be int8, int4 or none, got {table['quantize']!r}", "quantize")
     if "max_context" in table and table["max_context"] < 1:
         fail(f"max_context must be a positive number of tokens, got {table['max_context']}", "max_context")
     aliases = table.get("aliases", [])

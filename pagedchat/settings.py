@@ -28,7 +28,7 @@ class ModelOptions:
     speculate: Optional[str] = None        # ngram | draft | off (None: models.toml, else off)
     num_draft_tokens: Optional[int] = None
     draft_model: Optional[str] = None
-    quantize: Optional[str] = None         # int8 | none (None: models.toml, else none)
+    quantize: Optional[str] = None         # int8 | int4 | none (None: models.toml, else none)
     server: Optional[str] = None    # chat/run: an OpenAI-compatible server generates (chat/remote_backend.py)
     kv_disk: Optional[str] = None   # None = DEFAULT_KV_DISK; "0" = no disk tier
     kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier

@@ -97,8 +97,9 @@ def test_quantize_from_the_flag_and_models_toml(model, pagedchat_cli, xdg_home):
 
     code, out, err = pagedchat_cli("run", "-m", str(model), "--raw", "--quantize", "int8", "--max-tokens", "4", "hi")
     assert code == 0 and out, err
-    code, _, err = pagedchat_cli("run", "-m", str(model), "--raw", "--quantize", "int4", "hi")
-    assert code != 0 and err.strip().splitlines() == ["pagedchat: error: --quantize must be int8 or none, got 'int4'"]
+    code, _, err = pagedchat_cli("run", "-m", str(model), "--raw", "--quantize", "int3", "hi")
+    assert code != 0 and err.strip().splitlines() == [
+        "pagedchat: error: --quantize must be int8, int4 or none, got 'int3'"]
     config = xdg_home / "config" / "pagedchat"
     config.mkdir(parents=True)
     (config / "models.toml").write_text(f'[models.q]\npath = "{model}"\nquantize = "int8"\n')
@@ -106,9 +107,9 @@ def test_quantize_from_the_flag_and_models_toml(model, pagedchat_cli, xdg_home):
     assert any(isinstance(m, Int8Linear) for m in engine.runner.model.modules())
     engine, _ = load_engine(ModelOptions(model="q", quantize="none"), show_progress=False)  # the flag wins
     assert not any(isinstance(m, Int8Linear) for m in engine.runner.model.modules())
-    (config / "models.toml").write_text(f'[models.q]\npath = "{model}"\nquantize = "int4"\n')
+    (config / "models.toml").write_text(f'[models.q]\npath = "{model}"\nquantize = "int3"\n')
     code, _, err = pagedchat_cli("run", "-m", "q", "--raw", "hi")
-    assert code != 0 and "quantize must be int8 or none, got 'int4'" in err and "Traceback" not in err
+    assert code != 0 and "quantize must be int8, int4 or none, got 'int3'" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("arch", ["phi3", "qwen3_moe", "mixtral", "gemma2", "gemma3"])

@@ -24,9 +24,9 @@ KV_MEMORY = typer.Option(None, "--kv-memory", help="KV pool size: bytes, 256KiB/
 KV_DISK = typer.Option(None, "--kv-disk", help="Disk tier for KV blocks under $XDG_CACHE_HOME/pagedchat/kv, shared "
                                                "across processes (default 2GiB; 0 = off).")
 KV_RAM = typer.Option(None, "--kv-ram", help="Host-RAM tier for KV blocks the pool evicts (default 512MiB; 0 = off).")
-QUANTIZE = typer.Option(None, "--quantize", help="int8: weight-only int8 linear layers (per-channel scales, "
-                                                 "quantized at load from the fp checkpoint); none: off "
-                                                 "(default: the models.toml quantize key, else none).")
+QUANTIZE = typer.Option(None, "--quantize", help="Weight-only, quantized at load from the fp checkpoint: int8 "
+                                                 "(per-channel scales) or int4 (groups of 32, a scale each); "
+                                                 "none: off (default: the models.toml quantize key, else none).")
 MAX_CONTEXT = typer.Option(None, "--max-context", help="Cap the context length (tokens).")
 SYSTEM = typer.Option(None, "--system", help="System prompt (chat template path).")
 TEMPERATURE = typer.Option(None, "--temperature", "-t", help="0 = greedy.")

@@ -58,7 +58,7 @@ class EngineConfig:
     speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/decoding/speculative.py)
     num_draft_tokens: int = 6       # most tokens proposed per sequence and step (adapted per sequence)
     draft_model: str | None = None  # a smaller model with the same tokenizer (speculate="draft")
-    quantize: str | None = None     # None/"none" | "int8": weight-only, per-channel scales, from the fp checkpoint
+    quantize: str | None = None     # None/"none" | "int8" | "int4": weight-only, from the fp checkpoint (model/quantize.py)
     # Tiers below the pool (0 = off; the library default, so tests and benchmarks keep no state; the CLI
     # turns both on): evicted blocks go to host RAM, then to disk, where other processes find them too.
     kv_ram: int | str = 0           # bytes or '512MiB'
@@ -87,8 +87,8 @@ class EngineConfig:
             self.enable_prefix_cache = False
         if self.quantize == "none":
             self.quantize = None
-        if self.quantize not in (None, "int8"):
-            raise SettingError("quantize", f"{{name}} must be int8 or none, got {self.quantize!r}")
+        if self.quantize not in (None, "int8", "int4"):
+            raise SettingError("quantize", f"{{name}} must be int8, int4 or none, got {self.quantize!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")
         self._check_speculation()
