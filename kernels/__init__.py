@@ -183,9 +183,10 @@ def fused_moe(x, w13, w2, topk_weights, topk_ids, *, backend=None):
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)
 
 
-def int4_matmul(x, packed, scales, *, backend=None):
+def int4_matmul(x, packed, scales, *, backend=None, config=None):
     """x [M, in] times an int4 weight's transpose -> [M, out] in x's dtype: packed uint8 [out, in / 2] and
-    scales float16 [out, in / 32] in pagedchat/model/int4.py's layout (groups of 32, Q4_0 nibble order)."""
+    scales float16 [out, in / 32] in pagedchat/model/int4.py's layout (groups of 32, Q4_0 nibble order).
+    `config` (triton_int4.Int4Config) forces the Triton kernel's choice (benchmarks, tests)."""
     if resolve_backend(backend, x) == "triton":
-        return _triton_function("int4_matmul_triton")(x, packed, scales)
+        return _triton_function("int4_matmul_triton")(x, packed, scales, config)
     return int4_matmul_ref(x, packed, scales)

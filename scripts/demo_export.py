@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from demo_corpus import (CHAT_TEMPLATE, IM_END, IM_START, PAD)
+from pagedchat.demo.corpus import (CHAT_TEMPLATE, IM_END, IM_START, PAD)
 
 def save(model, tok, tokd, out: Path, pad_id):
     import torch

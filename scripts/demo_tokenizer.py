@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from demo_corpus import (ADD_Q, CAPITALS, CAP_F, CAP_Q, COUNT_F, COUNT_Q, Conversation, DONT_KNOW,
+from pagedchat.demo.corpus import (ADD_Q, CAPITALS, CAP_F, CAP_Q, COUNT_F, COUNT_Q, Conversation, DONT_KNOW,
     EVAL_COUNT_Q, EVAL_REV_Q, IM_END, IM_START, MINUS_F, MUL_Q, OUT_OF_SCOPE, PAD, PLUS_F, REV_F, REV_MARK,
     REV_Q, SMALL_TALK, SPELL_Q, SUB_Q, SYSTEM_PROMPTS, TIMES_F, WORD_F, capital_answer, first_upper)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Evaluate the demo chat model on held-out prompts of every task family.
 
-The prompts come from demo_corpus.eval_set(): arithmetic on operand pairs that were held out
+The prompts come from pagedchat.demo.corpus.eval_set(): arithmetic on operand pairs that were held out
 of training (in the phrasings users type), held-out words for spelling and counting, new capital
 phrasings, small talk, and two-turn follow-ups. Each prompt is answered greedily by transformers
 and/or by pagedchat's engine (all prompts submitted together, so batching is exercised); the script
@@ -13,71 +13,10 @@ prints per-family accuracy for each and whether the two produced the same tokens
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import demo_corpus as T  # noqa: E402  (the eval set and the answer formats live there)
-
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "pagedchat" / "assets" / "demo-chat"
-MAX_NEW_TOKENS = 160  # the longest answer (a 10-letter word backwards) is about 100 tokens
-
-_INT = re.compile(r"-?\d+")
-
-
-def last_int(text: str) -> int | None:
-    nums = _INT.findall(text)
-    return int(nums[-1]) if nums else None
-
-
-def judge(expected: str, got: str) -> bool:
-    """Is `got` right? The rule depends on the kind of the expected answer."""
-    m = re.search(r"backwards is (\w+)\.", expected)
-    if m:  # the reversed word must appear as a plain word
-        return re.search(rf"\b{m.group(1)}\b", got) is not None
-    m = re.match(r"The capital of .+ is (.+)\.$", expected)
-    if m:
-        return m.group(1) in got
-    if re.match(r"-?\d+ [-+*] -?\d+ = ", expected) or re.search(r"has \d+ letters\.$", expected):
-        return last_int(got) == last_int(expected)  # the final number is the answer
-    return got.strip() == expected.strip()
-
-
-def word_sweep() -> list[tuple[str, "T.Conversation"]]:
-    """Every held-out word in every spelling and counting phrasing, trained and unseen (720 prompts)."""
-    out = []
-    for w in sorted(T.HELDOUT_WORDS):
-        out += [("rev", T.Conversation(None, [T.Turn(q.format(w=w), T.rev_answer(w))]))
-                for q in T.REV_Q + T.EVAL_REV_Q]
-        out += [("count", T.Conversation(None, [T.Turn(q.format(w=w), T.count_answer(w))]))
-                for q in T.COUNT_Q + T.EVAL_COUNT_Q]
-    return out
-
-
-def build_prompts(tokenizer, per_family: int, words: bool = False):
-    items = []
-    T.set_word_pieces(tokenizer.backend_tokenizer)  # the answers spell the model's own pieces
-    for family, conv in word_sweep() if words else T.eval_set(per_family=per_family):
-        msgs = T.messages_of(conv, upto=len(conv.turns) - 1)
-        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if not isinstance(ids, list):  # some versions return a BatchEncoding
-            ids = ids["input_ids"]
-        items.append((family, msgs, ids, T.plain(conv.turns[-1].answer)))
-    return items
-
-
-def stop_ids(tokenizer) -> list[int]:
-    return [tokenizer.convert_tokens_to_ids(T.IM_END), tokenizer.convert_tokens_to_ids(T.PAD)]
-
-
-def strip_stop(ids: list[int], stops: list[int]) -> list[int]:
-    """Answer tokens without the end-of-turn token, so the two engines compare like for like."""
-    for i, t in enumerate(ids):
-        if t in stops:
-            return ids[:i]
-    return ids
+from pagedchat.demo.evaluate import DEFAULT_MODEL, MAX_NEW_TOKENS, build_prompts, judge, score, stop_ids, strip_stop
 
 
 def run_transformers(model_dir, items, tokenizer, dtype):
@@ -108,13 +47,12 @@ def run_pagedchat(model_dir, items, tokenizer, dtype, device):
 
 
 def report(name, items, outs, tokenizer, show_errors):
-    per = {}
-    for (family, msgs, _, expected), ids in zip(items, outs):
-        got = tokenizer.decode(ids, skip_special_tokens=True)
-        ok = judge(expected, got)
-        per.setdefault(family, []).append(ok)
-        if not ok and show_errors:
-            print(f"  [{name}] {family}: {msgs[-1]['content']!r}\n      expected {expected!r}\n      got      {got!r}")
+    per = score(items, outs, tokenizer)
+    if show_errors:
+        for (family, msgs, _, expected), ids in zip(items, outs):
+            got = tokenizer.decode(ids, skip_special_tokens=True)
+            if not judge(expected, got):
+                print(f"  [{name}] {family}: {msgs[-1]['content']!r}\n      expected {expected!r}\n      got      {got!r}")
     total = [v for vals in per.values() for v in vals]
     print(f"{name}: " + "  ".join(f"{f} {sum(v) / len(v):.0%} ({sum(v)}/{len(v)})" for f, v in per.items())
           + f"  | all {sum(total) / len(total):.1%}")

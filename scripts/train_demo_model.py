@@ -10,7 +10,7 @@ No model hub is reachable, so pagedchat ships its own tiny LlamaForCausalLM. Thi
  4. saves everything in Hugging Face format (float16 safetensors).
 
 Fixed operand pairs and words are held out of training; eval_demo_model.py asks about them.
-One module per job: demo_corpus.py (facts, phrasings, conversations, the held-out set),
+One module per job: pagedchat/demo/corpus.py (facts, phrasings, conversations, the held-out set),
 demo_tokenizer.py (BPE + conversation tokenization), demo_training.py (packing, model, loss,
 schedule), demo_export.py (Hugging Face files); this script runs them in order.
 The run is deterministic for a given --steps and --seed (--minutes picks the step count from
@@ -27,7 +27,7 @@ import random
 import time
 from pathlib import Path
 
-from demo_corpus import PAD, eval_set, make_conversation, set_word_pieces
+from pagedchat.demo.corpus import PAD, eval_set, make_conversation, set_word_pieces
 from demo_export import save
 from demo_tokenizer import Tokenized, train_tokenizer
 from demo_training import build_model, lr_at, masked_loss, pack, teacher_forced_accuracy

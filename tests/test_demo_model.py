@@ -3,7 +3,7 @@
 Loaded from the installed package path, run greedily through transformers (the reference) and,
 when the engine is importable, through pagedchat's engine, which must produce the same tokens.
 The arithmetic operand pairs and the spelled/counted words here were held out of training
-(see scripts/demo_corpus.py: HELDOUT_PAIRS, HELDOUT_WORDS). This is a regression sample the shipped
+(see pagedchat/demo/corpus.py: HELDOUT_PAIRS, HELDOUT_WORDS). This is a regression sample the shipped
 model answers right; its measured accuracy per family on all held-out prompts is in docs/demo-model.md.
 """
 from __future__ import annotations

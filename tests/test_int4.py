@@ -110,6 +110,19 @@ def test_triton_int4_matches_its_twin(monkeypatch, out_features, in_features, ro
 
 
 @needs_triton
+@pytest.mark.parametrize("kernel, rows", [("gemv", 3), ("gemm", 1)])
+def test_triton_int4_either_kernel_takes_any_rows(monkeypatch, kernel, rows):
+    from pagedchat.kernels.triton_int4 import Int4Config
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    packed, scales = _weights(24, 96)
+    x = torch.randn(rows, 96)
+    config = Int4Config(kernel, block_n=16, block_g=2, block_m=16)
+    got = K.int4_matmul(x, packed, scales, backend="triton", config=config)
+    assert _rel_err(got, _exact(x, packed, scales)) < 1e-5
+
+
+@needs_triton
 def test_triton_int4_reads_strided_rows_and_no_rows(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     packed, scales = _weights(16, 64)

@@ -223,10 +223,12 @@ def worker_main(system: str, spec_path: str, out_path: str) -> None:
 
 
 # -- GGUF for the llama.cpp peer ------------------------------------------------------------------------------
-def write_gguf(model_dir: Path, out: Path, kind: str) -> Path:
-    """The HF llama checkpoint as a GGUF file of `kind` (F32, F16, Q8_0) for timing. Q and K rows are not
-    permuted into llama.cpp's rotary layout: the arithmetic is the same, so its speed is, but its tokens are
-    not compared with the others'. No vocabulary: benchmarks feed token ids."""
+def write_gguf(model_dir: Path, out: Path, kind: str, exact: bool = False) -> Path:
+    """The HF llama checkpoint as a GGUF file of `kind` (F32, F16, Q8_0, Q4_0). For timing, Q and K rows are
+    not permuted into llama.cpp's rotary layout: the arithmetic is the same, so its speed is, but its tokens
+    are not compared with the others'. `exact` gives the model's own logits (perplexity, bench/accuracy.py):
+    Q and K rows permuted, and the embedding kept F32 as pagedchat's --quantize keeps it. No vocabulary:
+    benchmarks feed token ids."""
     import gguf
     import numpy as np
     from safetensors.numpy import load_file
@@ -261,21 +263,31 @@ def write_gguf(model_dir: Path, out: Path, kind: str) -> Path:
             names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{ours}.weight"
     if "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    kv_heads = config.get("num_key_value_heads") or heads
     for hf_name, name in names.items():
         data = tensors[hf_name].astype(np.float32)
-        if data.ndim == 1 or kind == "F32":
+        if exact and name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = _rotary_rows(data, heads if name.endswith("attn_q.weight") else kv_heads)
+        if data.ndim == 1 or kind == "F32" or (exact and name == "token_embd.weight"):
             writer.add_tensor(name, data)
         elif kind == "F16":
             writer.add_tensor(name, data.astype(np.float16))
         else:
-            quantized = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(name, quantized, raw_shape=quantized.shape,
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            qtype = getattr(gguf.GGMLQuantizationType, kind)
+            quantized = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(name, quantized, raw_shape=quantized.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def _rotary_rows(weight, heads: int):
+    """HF rotates the two halves of each head's dimensions together; llama.cpp's Llama rotates adjacent pairs.
+    Reordering each head's rows from (half, pair) to (pair, half) makes its rotation act on the same values."""
+    rows, cols = weight.shape
+    return weight.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 # -- start-up -------------------------------------------------------------------------------------------------

@@ -367,6 +367,46 @@ def spec(
     _finish(result, as_json, print_spec_report, plot, plot_spec)
 
 
+@bench.command("accuracy", help="What quantization costs: each mode (--quantize, --kv-dtype) against the "
+                                "unquantized model in one run: greedy agreement, perplexity of a fixed text, the "
+                                "demo model's held-out questions.")
+def accuracy(
+    model: Optional[str] = MODEL,
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = typer.Option("small", "--random-size", help="tiny, small or 1b."),
+    modes: str = typer.Option("fp,int8,int4", "--modes", help="Comma-separated: fp, int8, int4 (weights), "
+                                                               "kv-int8, kv-fp8 (the KV pool)."),
+    tokens: int = typer.Option(256, "--tokens", help="Greedy tokens per prompt (EOS ignored)."),
+    prompts: int = typer.Option(6, "--prompts", help="Prompts for greedy agreement."),
+    per_family: int = typer.Option(30, "--per-family", help="Demo questions per family and question set."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="llama.cpp: its perplexity of the same text at F32, "
+                                                           "Q8_0 and Q4_0 (via llama-cpp-python)."),
+    device: str = DEVICE,
+    threads: Optional[int] = THREADS,
+    seed: int = SEED,
+    as_json: bool = JSON,
+) -> None:
+    import tempfile
+
+    from pagedchat.bench.accuracy import print_accuracy_report, run_accuracy_bench
+    from pagedchat.bench.models import resolve_device, resolve_model
+
+    if peer not in (None, "llama.cpp"):
+        raise UserError(f"--peer must be llama.cpp, got {peer!r}")
+    device = resolve_device(device)
+    count = _threads(threads, device)
+    if count:
+        import torch
+
+        torch.set_num_threads(count)
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, random_arch, random_size, Path(tmp))
+        result = run_accuracy_bench(path, name, [m.strip() for m in modes.split(",") if m.strip()], device=device,
+                                    tokens=tokens, prompts=prompts, per_family=per_family, peer=peer, seed=seed)
+    result["threads"] = count
+    _finish(result, as_json, print_accuracy_report)
+
+
 def _finish(result: dict, as_json: bool, report: Callable[[dict], None], plot: Optional[str] = None,
             draw: Optional[Callable[[dict, str], None]] = None) -> None:
     """How a bench command ends: its picture when --plot asks for one (the file's name goes into the result),

@@ -1,6 +1,6 @@
 """The demo model's data: fact tables and word lists (with the held-out split), the phrasings and
 answer formats, the multi-turn conversation generator, and the held-out evaluation set that
-eval_demo_model.py asks (scripts/train_demo_model.py trains on the rest)."""
+pagedchat/demo/evaluate.py asks (scripts/train_demo_model.py trains on the rest)."""
 
 from __future__ import annotations
 
@@ -571,7 +571,7 @@ def messages_of(conv: Conversation, upto: int | None = None) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------
-# Held-out evaluation set (shared with eval_demo_model.py)
+# Held-out evaluation set (asked by pagedchat/demo/evaluate.py)
 # ----------------------------------------------------------------------------------------------
 
 # Phrasings the outside check uses, asked on held-out operand pairs.
@@ -638,6 +638,6 @@ def eval_set(per_family: int = 40, seed: int = 777) -> list[tuple[str, Conversat
 
 
 def expected_key(family: str, conv: Conversation) -> str:
-    """The string a correct answer must contain (the judge in eval_demo_model.py)."""
+    """The string a correct answer must contain (the judge in pagedchat/demo/evaluate.py)."""
     return plain(conv.turns[-1].answer)
 
