@@ -122,7 +122,8 @@ def run(
 def _remote(model_opts, logprobs, grammar):
     """(RemoteBackend, entry) when a server generates (--server, or a kind = "remote" entry); else None.
     The backend stands in for the engine where a prompt is rendered (tokenizer, encode)."""
-    from pagedchat.chat.remote_backend import is_remote, open_remote
+    from pagedchat.chat.remote_backend import open_remote
+    from pagedchat.settings import is_remote
 
     if not is_remote(model_opts):
         return None
