@@ -3,11 +3,11 @@ matmul reads (`torch.ops.mkldnn._linear_pointwise`: the path inductor's CPU weig
 matmuls of a few rows and more.
 
 Why: MKL's fp32 GEMM behind nn.Linear runs a few rows at a time far below the memory-bandwidth floor. Every
-layer of the small llama on the 2-core AVX-512 CPU, interleaved A/B (a harness since removed:
-`git show 247beda:scripts/bench_packed.py`): 4-6 rows 1.4x faster packed, 16 rows 1.1-1.2x, 64 rows 1.05x, 512 rows the same. Those
-are the shapes of speculative verification (1 + k rows per sequence), batched decode (serve, variants) and
-short extends. Up to 3 rows (batch-1 decode, two variants) MKL is as fast or ~10% faster: the plain weight
-stays for them.
+layer of the small llama on the 2-core AVX-512 CPU, interleaved A/B (a harness since removed: `git show
+247beda:scripts/bench_packed.py`): 4-6 rows 1.4x faster packed, 16 rows 1.1-1.2x, 64 rows 1.05x, 512 rows the
+same. Those are the shapes of speculative verification (1 + k rows per sequence), batched decode (serve,
+variants) and short extends. Up to 3 rows (batch-1 decode, two variants) MKL is as fast or ~10% faster: the
+plain weight stays for them.
 
 The copy costs memory, so it is made only while the copies stay a small share of the RAM still available.
 Small weights stay plain: oneDNN's per-call cost (~20 us) outweighs its gain below about 1 MiB (the demo
