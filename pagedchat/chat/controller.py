@@ -18,8 +18,8 @@ from datetime import datetime
 from pagedchat.chat import alternatives
 from pagedchat.chat.context import CONTEXT_LEAD, as_messages, fit, path_with_system, reply_cap
 from pagedchat.chat.stats import node_stats, pool_report, turn_stats
-from pagedchat.chat.backend import ChatBackend, ContextFull  # noqa: F401  (ContextFull: raised from here)
-from pagedchat.chat.options import ALL_SET_KEYS, SET_KEYS, THINK_MODES, ChatOptions  # noqa: F401  (re-exported)
+from pagedchat.chat.backend import ChatBackend
+from pagedchat.chat.options import ChatOptions
 from pagedchat.chat.session import Session, check_name
 from pagedchat.chat.store import SaveError, SessionStore
 from pagedchat.chat.tree import Node
