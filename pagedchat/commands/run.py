@@ -145,10 +145,10 @@ def _generate_remote(backend, model_name: str, requests: list, messages: list, a
     clients), streamed, with the same plain and --json output plus a "remote" object."""
     start = time.perf_counter()
     live = _live_reply(requests, as_json, batch, thinking)
-    seen = [0] * requests[0][1].n
+    seen: dict[int, int] = {}      # characters of each variant already fed
 
     def write(index: int, so_far: str) -> None:
-        live.feed(index, so_far[seen[index]:])
+        live.feed(index, so_far[seen.get(index, 0):])
         seen[index] = len(so_far)
 
     outputs, first_token_at, interrupted = [], None, False
