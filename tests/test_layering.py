@@ -10,6 +10,7 @@ inside functions count too: a lazy import is still an arrow). `kernels/` imports
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -33,6 +34,7 @@ FLOORS = [   # (name, module prefixes), top to bottom
 
 
 # -- the graph -----------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
 def modules() -> dict[str, Path]:
     """Every module of the package by its import name (kernels/ is installed as pagedchat.kernels)."""
     found = {}
@@ -75,6 +77,7 @@ def _targets(name: str, path: Path, node, known: dict) -> list[str]:
     return [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
 
 
+@functools.lru_cache(maxsize=2)
 def graph(runtime_only: bool = False) -> dict[str, set[str]]:
     """module -> the pagedchat modules it imports (runtime_only: those imported when it is imported, package
     __init__s of the target included, since importing a.b.c runs a.b first)."""
