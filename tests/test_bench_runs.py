@@ -90,3 +90,19 @@ def test_bench_kernels_without_cuda_is_a_clear_error(monkeypatch):
     result = CliRunner().invoke(app, ["bench", "kernels"])
     assert isinstance(result.exception, UserError)
     assert "CUDA" in str(result.exception)
+
+
+def test_step_smoke_splits_the_step_into_its_parts():
+    r = bench("step", "--tokens", "3", "--repeats", "1")
+    ms = r["ms_per_step"]
+    assert set(ms) == {"step", "model forward", "compute_logits", "engine Python"} and r["model"] == "demo"
+    assert ms["step"]["cpu"] > 0 and ms["model forward"]["cpu"] <= ms["step"]["cpu"]
+
+
+def test_accuracy_smoke_int8_on_the_demo_model():
+    r = bench("accuracy", "-m", "demo", "--modes", "int8", "--prompts", "1", "--tokens", "4", "--per-family", "1")
+    row = r["modes"]["int8"]
+    assert list(r["modes"]) == ["fp", "int8"] and r["greedy_prompts"] == 1
+    assert 0 <= row["greedy"]["tokens_agreeing"] <= 1 and row["questions"]["right"] >= 0
+    assert 0 <= row["max_logit_error_rel_spread"] < 0.05     # trained weights: int8 moves logits little
+    assert r["modes"]["fp"]["max_logit_error"] == 0 and abs(row["perplexity_increase"]) < 0.05

@@ -13,6 +13,9 @@ Modes: fp (the unquantized model: the reference, and its row is the control), in
     held-out numbers and words no model predicts); for any other model, a shipped public-domain passage.
   - the demo model's held-out questions (pagedchat/demo/evaluate.py): the eval script's set and as many new
     ones of the same kinds, judged per family, and how many replies are token-identical to the reference's.
+  - the largest logit error, teacher-forced on the reference's greedy tokens the way the engine runs them
+    (bench/int8_accuracy.py), in logits and relative to the reference logits' spread, and how many greedy
+    divergences fell at a near-tie (the reference's top-2 gap there at most twice the error there).
 
 `--peer llama.cpp` adds llama.cpp's perplexity of the same token windows through llama-cpp-python on the same
 weights written as GGUF (F32, Q8_0, Q4_0), so int4's increase over fp can be set beside Q4_0's over F32.
@@ -54,8 +57,9 @@ def mode_settings(mode: str) -> dict:
 def _engine(path: Path, device: str, mode: str, max_len: int):
     from pagedchat.engine import Engine, EngineConfig
 
+    # No prefix cache: the teacher-forced passes write into the pool's first blocks directly.
     config = EngineConfig(model=str(path), device=device, kv_memory="256MiB", max_model_len=max_len,
-                          **mode_settings(mode))
+                          enable_prefix_cache=False, **mode_settings(mode))
     return Engine(config, show_progress=False)
 
 
@@ -193,6 +197,7 @@ def run_accuracy_bench(path: Path, name: str, modes: list[str], device: str = "c
     for mode in modes:
         engine = _engine(Path(path), device, mode, limit)
         row = _measure(engine, greedy, tokens, windows, items, tokenizer, reference)
+        row.update(_logit_error(engine, greedy, row["greedy"]["first_divergence"], reference))
         result["modes"][mode] = row
         del engine
         gc.collect()
@@ -226,6 +231,24 @@ def _measure(engine, greedy, tokens, windows, items, tokenizer, reference: dict)
                             "per_family": {f: sum(v) / len(v) for f, v in per.items()},
                             "identical_to_fp": sum(a == b for a, b in zip(answers, reference["answers"]))}
     return row
+
+
+def _logit_error(engine, greedy, first_divergence, reference: dict) -> dict:
+    """Teacher-forced on the reference's tokens; the reference's logits are kept from its own pass (on CPU)."""
+    from pagedchat.bench.int8_accuracy import teacher_forced_logits
+
+    forced = [teacher_forced_logits(engine, p, r).float().cpu() for p, r in zip(greedy, reference["greedy"])]
+    ref = reference.setdefault("logits", forced)
+    max_err = rel_err = 0.0
+    near_ties = 0
+    for fp, got, first, cont in zip(ref, forced, first_divergence, reference["greedy"]):
+        err = (got - fp).abs().amax(dim=-1)
+        spread = fp.amax(dim=-1) - fp.amin(dim=-1)
+        max_err, rel_err = max(max_err, err.max().item()), max(rel_err, (err / spread).max().item())
+        if first < len(cont):
+            top2 = fp[first].topk(2).values
+            near_ties += int((top2[0] - top2[1]).item() <= 2 * err[first].item())
+    return {"max_logit_error": max_err, "max_logit_error_rel_spread": rel_err, "divergences_at_near_ties": near_ties}
 
 
 # -- the llama.cpp peer -----------------------------------------------------------------------------------------
@@ -279,6 +302,8 @@ def print_accuracy_report(r: dict) -> None:
         g, q = m["greedy"], m.get("questions")
         rows.append([mode, f"{g['tokens_agreeing']:.1%}", f"{g['prompts_identical']}/{g['prompts']}",
                      " ".join(str(f) for f in g["first_divergence"]),
+                     f"{m['divergences_at_near_ties']}/{g['prompts'] - g['prompts_identical']}",
+                     f"{m['max_logit_error']:.4f} ({m['max_logit_error_rel_spread']:.2%})",
                      f"{m['perplexity']:.4f}" if "perplexity" in m else "-",
                      f"{m['perplexity_increase']:+.2%}" if "perplexity_increase" in m else "-",
                      f"{q['accuracy']:.1%} ({q['right']}/{r['questions']})" if q else "-",
@@ -287,8 +312,8 @@ def print_accuracy_report(r: dict) -> None:
     print_table(f"Accuracy against fp — {r['model']} on {r['device']}: {r['greedy_prompts']} prompts x "
                 f"{r['greedy_tokens']} greedy tokens; perplexity of {text['scored']} tokens ({text['kind']}, "
                 f"windows of {text['window']})", ["mode", "greedy tokens agreeing", "prompts identical",
-                                                  "first divergence", "perplexity", "vs fp", "questions right",
-                                                  "answers = fp's"], rows,
+                                                  "first divergence", "at a near-tie", "max logit error (/ spread)",
+                                                  "perplexity", "vs fp", "questions right", "answers = fp's"], rows,
                 caption="tokens agreeing: up to each prompt's first divergence")
     peer = r.get("llama.cpp")
     if peer and "note" in peer:

@@ -374,6 +374,9 @@ def accuracy(
     model: Optional[str] = MODEL,
     random_arch: Optional[str] = RANDOM,
     random_size: str = typer.Option("small", "--random-size", help="tiny, small or 1b."),
+    init_std: Optional[float] = typer.Option(None, "--init-std", help="With --random: the initializer_range "
+                                                                      "(default: the size's; 0.02 is what trained "
+                                                                      "checkpoints look like)."),
     modes: str = typer.Option("fp,int8,int4", "--modes", help="Comma-separated: fp, int8, int4 (weights), "
                                                                "kv-int8, kv-fp8 (the KV pool)."),
     tokens: int = typer.Option(256, "--tokens", help="Greedy tokens per prompt (EOS ignored)."),
@@ -399,8 +402,17 @@ def accuracy(
         import torch
 
         torch.set_num_threads(count)
+    if prompts < 1 or tokens < 1:
+        raise UserError("--prompts and --tokens must be >= 1")
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
-        path, name = resolve_model(model, random_arch, random_size, Path(tmp))
+        if random_arch and init_std is not None:
+            from pagedchat.bench.models import build_random_model
+
+            path = build_random_model(random_arch, Path(tmp) / random_arch, random_size, 1024,
+                                      initializer_range=init_std)
+            name = f"random {random_arch} ({random_size}), init std {init_std:g}"
+        else:
+            path, name = resolve_model(model, random_arch, random_size, Path(tmp), 1024)
         result = run_accuracy_bench(path, name, [m.strip() for m in modes.split(",") if m.strip()], device=device,
                                     tokens=tokens, prompts=prompts, per_family=per_family, peer=peer, seed=seed)
     result["threads"] = count
@@ -514,3 +526,30 @@ def _plot_path(plot: Optional[str]) -> Optional[str]:
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'pagedchat[plot]'") from None
     return plot
+
+
+@bench.command("step", help="Where a batch-1 decode step's time goes: the engine's own Python against the "
+                            "model's forward (CPU; wall and thread CPU time).")
+def step(
+    model: Optional[str] = typer.Option("demo", "-m", "--model", help="models.toml name or local HF folder."),
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = typer.Option("small", "--random-size", help="tiny, small or 1b (with --random)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="int8: the weight-only int8 model."),
+    tokens: int = typer.Option(200, "--tokens", help="Decode steps per repeat."),
+    repeats: int = typer.Option(5, "--repeats", help="Repeats; the median counts."),
+    threads: Optional[int] = THREADS,
+    as_json: bool = JSON,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat import threads as torch_threads
+    from pagedchat.bench.models import resolve_model
+    from pagedchat.bench.step import print_step_report, run_step_bench
+
+    count = _threads(threads, "cpu") or 1
+    torch_threads.apply_threads(count)
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(None if random_arch else model, random_arch, random_size, Path(tmp))
+        result = run_step_bench(str(path), name, count, tokens, repeats, quantize)
+    _finish(result, as_json, print_step_report)

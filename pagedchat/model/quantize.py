@@ -9,7 +9,7 @@ which reads a quarter of the fp32 weight bytes. It runs on bf16 activations (its
 slower than a plain fp32 matmul), so the layer casts its input to bf16 and scales the output in fp32. Many rows
 at once (prefill) and other devices dequantize the weight for one fp matmul instead: the packed kernel is a
 matrix-vector loop, ~3x slower than fp32 GEMM on 512 rows, while dequantizing costs one weight-sized pass.
-Accuracy against fp32: scripts/int8_accuracy.py, docs/benchmarks.md.
+Accuracy against fp32: `pagedchat bench accuracy`, docs/benchmarks.md.
 
 `--quantize int4`: groups of 32 weights with one float16 scale each (model/int4.py: the layout, and why 32).
 A layer whose input width is not a multiple of 32 stays int8 (a one-line note says how many). On CUDA the
@@ -21,7 +21,6 @@ fp matmul (the kernels' torch twin): the int4 kernel's time grows with the rows,
 ~1 ns per weight. Measured on one 512x1536 layer (1 thread, min of 40, 2-core AMD EPYC AVX2, shared machine):
 1 row 0.19 ms packed against 0.93 ms dequantized (fp32 0.31, int8 0.26), 16 rows 0.77 vs 1.94, 32 rows 1.49
 vs 2.27, 64 rows 3.2 vs 3.4: the packed kernel up to 32 rows.
-Accuracy against the fp model: `pagedchat bench accuracy`, docs/benchmarks.md.
 """
 
 from __future__ import annotations
