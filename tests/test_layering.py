@@ -192,3 +192,14 @@ def report() -> str:
 
 if __name__ == "__main__":
     print(report())
+
+
+def test_every_package_is_installed():
+    """`pip install .` (not -e) installs only the packages pyproject lists: a new folder must be listed."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "pagedchat").rglob("__init__.py")}
+    found |= {"pagedchat.kernels"}
+    assert found <= listed, f"not in pyproject's packages: {sorted(found - listed)}"
