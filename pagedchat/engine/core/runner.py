@@ -67,7 +67,7 @@ class ModelRunner:
         # (copy-on-write, forks) is made in their caches as well.
         self.block_sharers: list[ModelRunner] = []
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and not self._window_groups():
+        if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
         # The native CPU decode step (pagedchat/native), once its library is built: the first process on a
         # machine builds it in the background and takes the torch path meanwhile.
@@ -310,6 +310,10 @@ class DecodeGraphs:
         self.tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        # Sliding-window layer groups (Gemma): each reads its own slots and table through the same lengths.
+        groups = runner._window_groups()
+        self.group_slots = [torch.full_like(self.slots, -1) for _ in range(groups)]
+        self.group_tables = [torch.zeros_like(self.tables) for _ in range(groups)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @classmethod
@@ -326,8 +330,13 @@ class DecodeGraphs:
         return graphs
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slots[:size], self.tables[:size], self.seq_lens[:size], self.cu[:size + 1],
+        meta = AttentionMetadata(self.slots[:size], self.tables[:size], self.seq_lens[:size], self.cu[:size + 1],
                                  is_decode=True)
+        if self.group_slots:
+            meta.window_metas = [AttentionMetadata(slots[:size], tables[:size], meta.seq_lens, meta.cu_seqlens_q,
+                                                   is_decode=True)
+                                 for slots, tables in zip(self.group_slots, self.group_tables)]
+        return meta
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -346,12 +355,13 @@ class DecodeGraphs:
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         batch = ids.shape[0]
         size = next(s for s in self.sizes if s >= batch)
-        width = meta.block_tables.shape[1]
         self.ids[:batch].copy_(ids)
         self.positions[:batch].copy_(positions)
-        self.slots[:batch].copy_(meta.slot_mapping)
-        self.slots[batch:size].fill_(-1)
-        self.tables[:batch, :width].copy_(meta.block_tables)
+        for slots, tables, m in zip([self.slots, *self.group_slots], [self.tables, *self.group_tables],
+                                    [meta, *(meta.window_metas or ())]):
+            slots[:batch].copy_(m.slot_mapping)
+            slots[batch:size].fill_(-1)
+            tables[:batch, :m.block_tables.shape[1]].copy_(m.block_tables)
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.seq_lens[batch:size].fill_(0)
         graph, out = self.graphs[size]
