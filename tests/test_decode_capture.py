@@ -89,8 +89,11 @@ class _EagerGraph:
     def replay(self) -> None:
         self.out.copy_(self.run())
 
+    def reset(self) -> None:
+        self.run = None
 
-def _eager_graphs(runner, sizes) -> DecodeGraphs:
+
+def eager_graphs(runner, sizes) -> DecodeGraphs:
     graphs = DecodeGraphs(runner, sizes)
     for size in sizes:
         graph = _EagerGraph(graphs, size)
@@ -107,7 +110,7 @@ def test_replay_through_static_buffers_matches_transformers(model_dirs, arch):
     engine = Engine(EngineConfig(model=str(path), num_blocks=128, block_size=8), show_progress=False)
     runner = engine.runner
     runner.native, runner._native_next_try = None, None   # the torch forward, as the graph would run it
-    runner.graphs = _eager_graphs(runner, [1, 2, 4])
+    runner.graphs = eager_graphs(runner, [1, 2, 4])
     batch = PROMPTS + [list(range(60, 100))]
     outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=40))
     for prompt, out in zip(batch, outs):

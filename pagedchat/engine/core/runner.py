@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -30,6 +31,20 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     spec = loaded.spec
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim \
         * torch.empty((), dtype=loaded.dtype).element_size()
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Give what was freed back to the device, not only to torch's cache: collect the reference cycles that
+    may still hold tensors, then free cuBLAS's per-stream workspaces (a graph's capture stream has its own)
+    and the caching allocator's unused blocks."""
+    gc.collect()
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize(device)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private; present since torch 2.1
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
 
 
 class ModelRunner:
@@ -82,6 +97,20 @@ class ModelRunner:
 
     def _window_groups(self) -> int:
         return self.kv_groups.num_window_groups if self.kv_groups else 0
+
+    def close(self) -> None:
+        """Drop the pool's caches and the graphs (Engine.close). The model's layers let go of this pool's
+        caches; a model shared with a newer runner keeps the caches that runner bound."""
+        for sharer in self.block_sharers:
+            sharer.close()
+        if self.graphs is not None:
+            self.graphs.close()
+        ours = {id(cache) for cache in self.k_caches + self.v_caches}
+        for layer in self.attention_layers:
+            if id(layer.k_cache) in ours:
+                layer.k_cache = layer.v_cache = torch.empty(0)
+        self.k_caches, self.v_caches, self.block_sharers = [], [], []
+        self.graphs = self.native = self._native_next_try = None
 
     def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:
@@ -351,6 +380,12 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize()
+
+    def close(self) -> None:
+        """Free the graphs; their private memory pool goes back to the allocator with the last of them."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         batch = ids.shape[0]
