@@ -96,3 +96,14 @@ def test_step_outputs_are_read_after_other_output(tmp_path):
     tests = gpu.read_tests("", tmp_path)
     assert (tests["passed"], tests["failed"], tests["skipped"]) == (1, 1, 1)
     assert "pagedchat 5 != transformers 7" in tests["failures"][0]["message"]
+
+
+def test_the_benchmark_model_is_built_whole_once(tmp_path):
+    path = tmp_path / "model"
+    gpu.build_model(path, device="cpu", size="tiny")
+    config = json.loads((path / "config.json").read_text())
+    assert config["torch_dtype" if "torch_dtype" in config else "dtype"] == "bfloat16"
+    assert not path.with_name("model.partial").exists()
+    stamp = (path / "config.json").stat().st_mtime_ns
+    gpu.build_model(path, device="cpu", size="tiny")          # a rerun keeps it
+    assert (path / "config.json").stat().st_mtime_ns == stamp
