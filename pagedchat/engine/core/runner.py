@@ -99,8 +99,9 @@ class ModelRunner:
         return self.kv_groups.num_window_groups if self.kv_groups else 0
 
     def close(self) -> None:
-        """Drop the pool's caches and the graphs (Engine.close). The model's layers let go of this pool's
-        caches; a model shared with a newer runner keeps the caches that runner bound."""
+        """Drop the pool's caches, the graphs and the model (Engine.close): whatever still holds the runner (the
+        KV tiers do) holds no device memory. The model's layers let go of this pool's caches; a model shared
+        with a newer runner keeps the caches that runner bound."""
         for sharer in self.block_sharers:
             sharer.close()
         if self.graphs is not None:
@@ -109,8 +110,8 @@ class ModelRunner:
         for layer in self.attention_layers:
             if id(layer.k_cache) in ours:
                 layer.k_cache = layer.v_cache = torch.empty(0)
-        self.k_caches, self.v_caches, self.block_sharers = [], [], []
-        self.graphs = self.native = self._native_next_try = None
+        self.k_caches, self.v_caches, self.block_sharers, self.attention_layers = [], [], [], []
+        self.graphs = self.native = self._native_next_try = self.model = self.loaded = None
 
     def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:
