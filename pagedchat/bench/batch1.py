@@ -285,7 +285,6 @@ def worker_pagedchat_gpu(spec: dict) -> dict:
 
 
 def worker_transformers_gpu(spec: dict) -> dict:
-    import torch
     from transformers import AutoModelForCausalLM
 
     from pagedchat.bench.models import torch_dtype

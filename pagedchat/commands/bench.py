@@ -99,6 +99,17 @@ THREADS = typer.Option(None, "--threads", help="torch CPU threads per system (de
                                                "machine oversubscribed by several runs times noise; 0 = torch's "
                                                "default).")
 SEED = typer.Option(0, "--seed", help="Prompt seed.")
+AUTO_SIZE = typer.Option("auto", "--random-size", help="tiny, small, 1b, or auto (small on CPU, 1b on CUDA).")
+
+
+def _sized_model(model: Optional[str], random_arch: Optional[str], random_size: str, device: str, workdir: str,
+                 max_positions: int):
+    """(folder, name) of -m MODEL or of a random --random ARCH model (auto size: 1b in bf16 on CUDA, else small)."""
+    from pagedchat.bench.models import resolve_model
+
+    size = random_size if random_size != "auto" else ("1b" if device.startswith("cuda") else "small")
+    return resolve_model(model, random_arch, size, Path(workdir), max(4096, max_positions),
+                         dtype="bfloat16" if size == "1b" else "float32")
 
 
 @bench.command("throughput", help="pagedchat vs transformers generate (padded batch) and transformers' "
@@ -106,8 +117,7 @@ SEED = typer.Option(0, "--seed", help="Prompt seed.")
 def throughput(
     model: Optional[str] = MODEL,
     random_arch: Optional[str] = RANDOM,
-    random_size: str = typer.Option("auto", "--random-size", help="tiny, small, 1b, or auto (small on CPU, "
-                                                                   "1b on CUDA)."),
+    random_size: str = AUTO_SIZE,
     requests: int = typer.Option(16, "--requests", help="Prompts (mixed lengths), all submitted at once."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="New tokens per prompt (EOS ignored)."),
     mean_prompt: float = typer.Option(128, "--mean-prompt", help="Mean prompt tokens (lognormal)."),
@@ -133,15 +143,13 @@ def throughput(
 ) -> None:
     import tempfile
 
-    from pagedchat.bench.models import resolve_device, resolve_model
+    from pagedchat.bench.models import resolve_device
     from pagedchat.bench.throughput import plot_throughput, print_throughput_report, run_throughput_bench
 
     device = resolve_device(device)
     plot = _plot_path(plot)
-    size = random_size if random_size != "auto" else ("1b" if device.startswith("cuda") else "small")
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
-        path, name = resolve_model(model, random_arch, size, Path(tmp), max(4096, max_prompt + max_tokens + 64),
-                                   dtype="bfloat16" if size == "1b" else "float32")
+        path, name = _sized_model(model, random_arch, random_size, device, tmp, max_prompt + max_tokens + 64)
         result = run_throughput_bench(path, name, requests=requests, max_tokens=max_tokens, mean_prompt=mean_prompt,
                                       max_prompt=max_prompt, block_size=block_size,
                                       max_batched_tokens=max_batched_tokens, device=device, dtype=dtype,
@@ -163,11 +171,10 @@ def throughput(
 
 @bench.command("batch1", help="One person at a terminal: batch-1 decode and time to first token against transformers "
                               "(on CUDA also with graphs off, and against the memory-bandwidth floor).")
-def batch1(
+def batch1_command(
     model: Optional[str] = MODEL,
     random_arch: Optional[str] = RANDOM,
-    random_size: str = typer.Option("auto", "--random-size", help="tiny, small, 1b, or auto (small on CPU, "
-                                                                   "1b on CUDA)."),
+    random_size: str = AUTO_SIZE,
     new_tokens: int = typer.Option(0, "--new-tokens", help="Decode tokens (0: 64 on CPU, 256 on CUDA)."),
     ttft_tokens: int = typer.Option(2048, "--ttft-tokens", help="CUDA: prompt tokens of the time-to-first-token "
                                                                "runs."),
@@ -182,14 +189,12 @@ def batch1(
     import tempfile
 
     from pagedchat.bench.batch1 import print_batch1_gpu_report, print_batch1_report, run_batch1_gpu
-    from pagedchat.bench.models import resolve_device, resolve_model
+    from pagedchat.bench.models import resolve_device
 
     device = resolve_device(device)
     on_gpu = device.startswith("cuda")
-    size = random_size if random_size != "auto" else ("1b" if on_gpu else "small")
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
-        path, name = resolve_model(model, random_arch, size, Path(tmp), max(4096, ttft_tokens + 64),
-                                   dtype="bfloat16" if size == "1b" else "float32")
+        path, name = _sized_model(model, random_arch, random_size, device, tmp, ttft_tokens + 64)
         if on_gpu:
             result = run_batch1_gpu(path, device, dtype, new_tokens=new_tokens or 256, ttft_tokens=ttft_tokens,
                                     seed=seed)
