@@ -21,6 +21,15 @@ def _held(engine) -> dict[str, weakref.ref]:
             "weight": weakref.ref(next(runner.model.parameters()))}
 
 
+def _holders(obj) -> list[str]:
+    """What still refers to obj (for the failure message): the referrers' types and, for dicts, their owners."""
+    out = []
+    for ref in gc.get_referrers(obj):
+        owners = [type(o).__name__ for o in gc.get_referrers(ref) if hasattr(o, "__dict__") and o.__dict__ is ref]
+        out.append(f"{type(ref).__name__}{' of ' + ', '.join(owners) if owners else ''}")
+    return out
+
+
 def test_close_drops_every_reference_to_the_pool_graphs_and_model(model_dirs):
     engine = Engine(EngineConfig(model=str(model_dirs["qwen3_moe"][0]), num_blocks=64, kv_ram="1MiB"),
                     show_progress=False)   # the RAM tier holds the runner: it must not hold the model through it
@@ -29,7 +38,8 @@ def test_close_drops_every_reference_to_the_pool_graphs_and_model(model_dirs):
     held = _held(engine)
     engine.close()
     gc.collect()
-    assert [name for name, ref in held.items() if ref() is not None] == []
+    alive = {name: ref() for name, ref in held.items() if ref() is not None}
+    assert not alive, {name: _holders(obj) for name, obj in alive.items()}
     assert kept[0].outputs[0].token_ids      # what the caller holds is plain data
     engine.close()                           # a second close does nothing
 
