@@ -54,7 +54,10 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int = _BLOCK_
     every block_m tile. Lengths are upper bounds (no device->host sync)."""
     flat = topk_ids.reshape(-1).long()
     num_pairs = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not torch.bincount: on CUDA it reads the ids' min and max back to the host, which a CUDA graph
+    # cannot capture. Integer adds commute, so the counts are exact whatever order the atomics run in.
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)

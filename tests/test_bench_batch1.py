@@ -45,3 +45,20 @@ def test_the_llama_cpp_peer_runs_when_installed(tiny_llama):
     for kind in batch1.LLAMA_CPP_TYPES:
         m = r["systems"][f"llama.cpp {kind}"]
         assert m["decode_tok_per_s"] > 0 and m["prefill_s"] > 0 and m["decode16_tok_per_s"] > 0
+
+
+def test_the_gpu_rows_run_on_any_device(tiny_llama, tmp_path):
+    """The GPU batch-1 rows' code path (graphs on and off, TTFT, the floor) on CPU: rows, no floor; the GPU
+    check reads them."""
+    import json
+
+    from pagedchat.bench import gpu
+
+    r = batch1.run_batch1_gpu(tiny_llama, device="cpu", dtype="float32", decode_prompt=8, new_tokens=4,
+                              ttft_tokens=32, ttft_runs=1)
+    figures = gpu.read_batch1(json.dumps(r, indent=2), tmp_path)
+    assert figures["decode_tok_per_s"] == r["systems"]["pagedchat"]["decode_tok_per_s"] and not figures["errors"]
+    assert set(r["systems"]) == {"pagedchat", "pagedchat, graphs off", "transformers generate"}
+    for m in r["systems"].values():
+        assert m["decode_tok_per_s"] > 0 and m["ttft_s"] > 0 and m["of_floor"] is None
+    assert r["floor"] is None and r["pagedchat_ratio"]["pagedchat"] == {"decode": 1.0, "ttft": 1.0}

@@ -4,9 +4,11 @@ asserted; what must hold is the accounting (token counts, KV reuse, copies per f
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
+from pagedchat.bench import gpu
 from pagedchat.cli import app
 
 
@@ -30,6 +32,9 @@ def test_throughput_smoke_all_systems_agree():
     assert len(r["prompt_tokens"]) == 3 and max(r["prompt_tokens"]) <= 40
     shares = r["pagedchat_profile"]["shares"]
     assert abs(sum(shares.values()) - 1) < 1e-6
+    assert r["machine"] and r["machine_info"]["cpu_isa"]
+    figures = gpu.read_throughput(json.dumps(r, indent=2), Path("."))     # what the GPU check reads of it
+    assert figures["tok_per_s"]["pagedchat"] == r["systems"]["pagedchat"]["output_tok_per_s"]
 
 
 def test_chat_smoke_reuses_history_and_forks_with_one_copy_per_child():

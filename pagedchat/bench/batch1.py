@@ -99,16 +99,14 @@ def worker_pagedchat(spec: dict) -> dict:
             "decode16_tok_per_s": _decode16_pagedchat(engine, spec, params)}
 
 
-def worker_transformers(spec: dict) -> dict:
+def _hf_timed_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
+    """One padded batch (left padding) through `generate`: its wall time and the end of each forward pass (a
+    logits processor notes the time; generate reads each step's tokens back, so on a GPU that is the step's
+    end too). The first time is the prefill's, each later one a decode step's."""
     import torch
-    from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
-
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
-    decode, prefills = _prompts(spec)
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     class StepClock(LogitsProcessor):
-        """The time of every forward pass's end: the first is the prefill's, each later one a decode step's."""
-
         def __init__(self):
             self.times: list[float] = []
 
@@ -116,31 +114,46 @@ def worker_transformers(spec: dict) -> dict:
             self.times.append(time.perf_counter())
             return scores
 
-    def generate(prompts, new_tokens) -> tuple[float, list[float]]:
-        """One padded batch (left padding): its wall time and the end of each forward pass."""
-        width = max(len(p) for p in prompts)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        clock = StepClock()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, eos_token_id=None, pad_token_id=0,
-                           logits_processor=LogitsProcessorList([clock]))
-        return time.perf_counter() - start, clock.times
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
+    clock = StepClock()
+    _sync(model.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False, eos_token_id=None, pad_token_id=0,
+                       logits_processor=LogitsProcessorList([clock]))
+    _sync(model.device)
+    return time.perf_counter() - start, clock.times
 
-    def decode_rate(prompts, new_tokens) -> float:
-        """Decode-only tokens/s: from the end of the prefill to the end of the last step, as pagedchat's and
-        llama.cpp's rows time it. (Subtracting a separate prefill-only run's time, as this did before, left the
-        difference of two noisy prefills of the padded batch: 16-prompt runs read 544 to 1101 tok/s.)"""
-        _, times = generate(prompts, new_tokens)
-        return len(prompts) * (new_tokens - 1) / max(times[-1] - times[0], 1e-9)
 
-    generate([decode[:16]], 4)  # warm-up
-    prefill_s = [generate([p], 1)[0] for p in prefills]
-    return {"decode_tok_per_s": decode_rate([decode], spec["new_tokens"]),
+def _hf_decode_rate(model, prompts: list[list[int]], new_tokens: int) -> float:
+    """Decode-only tokens/s: from the end of the prefill to the end of the last step, as pagedchat's and
+    llama.cpp's rows time it. (Subtracting a separate prefill-only run's time, as this did before, left the
+    difference of two noisy prefills of the padded batch: 16-prompt runs read 544 to 1101 tok/s.)"""
+    _, times = _hf_timed_generate(model, prompts, new_tokens)
+    return len(prompts) * (new_tokens - 1) / max(times[-1] - times[0], 1e-9)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def worker_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    decode, prefills = _prompts(spec)
+    _hf_timed_generate(model, [decode[:16]], 4)  # warm-up
+    prefill_s = [_hf_timed_generate(model, [p], 1)[0] for p in prefills]
+    return {"decode_tok_per_s": _hf_decode_rate(model, [decode], spec["new_tokens"]),
             "prefill_s": statistics.median(prefill_s),
-            "decode16_tok_per_s": decode_rate(_batch_prompts(spec), spec["batch_new_tokens"])}
+            "decode16_tok_per_s": _hf_decode_rate(model, _batch_prompts(spec), spec["batch_new_tokens"])}
 
 
 def worker_llama_cpp(spec: dict) -> dict:
@@ -208,14 +221,94 @@ def _decode16_llama_cpp(spec: dict) -> float:
     return len(prompts) * (n - 1) / elapsed
 
 
-WORKERS = {"pagedchat": worker_pagedchat, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp}
+# -- on a GPU: decode with graphs on and off, time to first token, and the memory-bandwidth floor -------------
+def _gpu_prompts(spec: dict) -> tuple[list[int], list[list[int]]]:
+    """The decode prompt, and one distinct TTFT prompt per run plus one for the warm-up (no prefix-cache hits)."""
+    rng = random.Random(spec["seed"])
+    vocab = spec["vocab_size"]
+    decode = [rng.randrange(3, vocab) for _ in range(spec["decode_prompt"])]
+    ttft = [[rng.randrange(3, vocab) for _ in range(spec["ttft_tokens"])] for _ in range(spec["ttft_runs"] + 1)]
+    return decode, ttft
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every parameter once (a tied LM head is the embedding table),
+    except that an untied embedding table is read one row at a time."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    return total if embed is head else total - embed.numel() * embed.element_size()
+
+
+def device_copy_gbps(device) -> float | None:
+    """Device-to-device copy bandwidth (read + write), measured now; None off the GPU."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    from pagedchat.bench.kernels import Timer, measure_ceilings
+
+    return measure_ceilings(torch, Timer(torch, warmup=3, iters=10), torch.bfloat16)[0]
+
+
+def worker_pagedchat_gpu(spec: dict) -> dict:
+    """Batch-1 decode tokens/s and the median time to first token of a fresh prompt, on `spec["device"]`."""
+    from pagedchat.engine import Engine, EngineConfig, SamplingParams
+
+    blocks = 4 * -(-(spec["ttft_tokens"] + spec["decode_prompt"] + spec["new_tokens"]) // 16)
+    engine = Engine(EngineConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], num_blocks=blocks,
+                                 max_num_seqs=8, cuda_graphs=spec["graphs"]), show_progress=False)
+    device = engine.device
+    decode, ttft_prompts = _gpu_prompts(spec)
+    params = SamplingParams(temperature=0, max_tokens=spec["new_tokens"], ignore_eos=True)
+    engine.generate([decode[:16], ttft_prompts[0]], params.with_(max_tokens=4))  # warm-up: every kernel shape
+    rid = engine.add_request(decode, params)
+    engine.step()  # the prefill, which samples the first token
+    _sync(device)
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    _sync(device)
+    decode_s = time.perf_counter() - start
+    engine.pop_output(rid)
+    ttft = []
+    for prompt in ttft_prompts[1:]:
+        _sync(device)
+        start = time.perf_counter()
+        engine.generate([prompt], params.with_(max_tokens=1))   # returns once the token is on the host
+        ttft.append(time.perf_counter() - start)
+    result = {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "ttft_s": statistics.median(ttft),
+              "graphs": engine.runner.graphs is not None}
+    if spec.get("floor"):
+        result.update(weight_bytes=weight_bytes_per_token(engine.runner.model), copy_gbps=device_copy_gbps(device))
+    engine.close()
+    return result
+
+
+def worker_transformers_gpu(spec: dict) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from pagedchat.bench.models import torch_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch_dtype(spec["dtype"], spec["device"]))
+    model = model.to(spec["device"]).eval()
+    decode, ttft_prompts = _gpu_prompts(spec)
+    _hf_timed_generate(model, [decode[:16], ttft_prompts[0][:64]], 4)  # warm-up
+    _hf_timed_generate(model, [ttft_prompts[0]], 1)
+    ttft = [_hf_timed_generate(model, [p], 1)[0] for p in ttft_prompts[1:]]
+    return {"decode_tok_per_s": _hf_decode_rate(model, [decode], spec["new_tokens"]),
+            "ttft_s": statistics.median(ttft)}
+
+
+WORKERS = {"pagedchat": worker_pagedchat, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp,
+           "pagedchat-gpu": worker_pagedchat_gpu, "transformers-gpu": worker_transformers_gpu}
 
 
 def worker_main(system: str, spec_path: str, out_path: str) -> None:
     import torch
 
     spec = json.loads(Path(spec_path).read_text())
-    torch.set_num_threads(spec["threads"])
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
     from pagedchat.bench.common import quiet_transformers
 
     quiet_transformers()
@@ -322,7 +415,10 @@ def _run(system: str, spec: dict, workdir: Path, timeout: float) -> dict:
     spec_path.write_text(json.dumps(spec))
     out = spec_path.with_suffix(".out")
     cmd = [sys.executable, "-m", "pagedchat.bench.batch1", system, str(spec_path), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"batch-1 {system} run did not finish within {timeout:.0f} s") from None
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
         raise UserError(f"batch-1 {system} run failed: {tail[0]}")
@@ -371,6 +467,71 @@ def run_batch1_bench(model_path: Path, threads: int, repeats: int = 3, new_token
             "prefill_tokens": prefill, "systems": medians, "pagedchat_ratio": ratios, "notes": notes}
 
 
+GPU_SYSTEMS = {"pagedchat": ("pagedchat-gpu", {"graphs": True, "floor": True}),
+               "pagedchat, graphs off": ("pagedchat-gpu", {"graphs": False}),
+               "transformers generate": ("transformers-gpu", {})}
+
+
+def run_batch1_gpu(model_path: Path, device: str = "cuda", dtype: str = "auto", decode_prompt: int = 512,
+                   new_tokens: int = 256, ttft_tokens: int = 2048, ttft_runs: int = 5, seed: int = 0,
+                   timeout: float = 600) -> dict:
+    """Batch-1 decode (CUDA graphs on and off) and time to first token against transformers `generate` and
+    against the memory-bandwidth floor: weight bytes per token over the measured device copy bandwidth, the
+    rate at which a decode that read every weight once per token and did nothing else would run. Each system
+    runs once, in its own process; a peer that fails is a row with its error."""
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    if ttft_tokens + 1 > config.get("max_position_embeddings", ttft_tokens + 1):
+        raise UserError(f"the model's context ({config['max_position_embeddings']}) is shorter than the "
+                        f"{ttft_tokens}-token TTFT prompt")
+    base = {"model": str(model_path), "device": device, "dtype": dtype, "decode_prompt": decode_prompt,
+            "new_tokens": new_tokens, "ttft_tokens": ttft_tokens, "ttft_runs": ttft_runs, "seed": seed,
+            "vocab_size": config["vocab_size"], "threads": None}
+    systems, errors = {}, {}
+    with tempfile.TemporaryDirectory(prefix="pagedchat-batch1-") as tmp:
+        for name, (worker, extra) in GPU_SYSTEMS.items():
+            try:
+                systems[name] = _run(worker, {**base, **extra}, Path(tmp), timeout)
+            except UserError as e:
+                if name == "pagedchat":
+                    raise
+                errors[name] = str(e)
+    ours = systems["pagedchat"]
+    floor = None
+    if ours.get("copy_gbps"):
+        floor = {"weight_bytes": ours["weight_bytes"], "copy_gbps": ours["copy_gbps"],
+                 "tok_per_s": ours["copy_gbps"] * 1e9 / ours["weight_bytes"]}
+    return {"device": device, "dtype": dtype, "decode_prompt": decode_prompt, "new_tokens": new_tokens,
+            "ttft_tokens": ttft_tokens, "ttft_runs": ttft_runs, "floor": floor,
+            "systems": {**{name: {**m, "of_floor": m["decode_tok_per_s"] / floor["tok_per_s"] if floor else None}
+                           for name, m in systems.items()}, **{name: {"error": e} for name, e in errors.items()}},
+            "pagedchat_ratio": {name: {"decode": ours["decode_tok_per_s"] / m["decode_tok_per_s"],
+                                       "ttft": m["ttft_s"] / ours["ttft_s"]} for name, m in systems.items()}}
+
+
+def print_batch1_gpu_report(r: dict) -> None:
+    from pagedchat.bench.common import print_table
+
+    rows = []
+    for name, m in r["systems"].items():
+        if "error" in m:
+            rows.append([name, f"failed: {m['error']}", None, None, None, None])
+            continue
+        ratio = r["pagedchat_ratio"][name]
+        rows.append([name, m["decode_tok_per_s"], m["of_floor"], ratio["decode"], m["ttft_s"] * 1000, ratio["ttft"]])
+    floor = r["floor"]
+    caption = "pagedchat x: pagedchat's speed over the system's (above 1: pagedchat is faster)"
+    if floor:
+        caption += (f"; floor: {floor['weight_bytes'] / 1e9:.2f} GB of weights per token at the measured device "
+                    f"copy rate {floor['copy_gbps']:,.0f} GB/s = {floor['tok_per_s']:,.0f} tok/s")
+    print_table(f"Batch 1 on {r['device']} ({r['dtype']}) — decode ({r['decode_prompt']}-token prompt, "
+                f"{r['new_tokens']} new tokens) and time to first token of a {r['ttft_tokens']}-token prompt "
+                f"(median of {r['ttft_runs']})",
+                ["system", "decode tok/s", "of the floor", "pagedchat x", "TTFT ms", "pagedchat x"], rows,
+                caption=caption)
+    if "machine" in r:
+        print(f"machine: {r['machine']}")
+
+
 def print_batch1_report(r: dict) -> None:
     from pagedchat.bench.common import print_table
 
@@ -389,6 +550,8 @@ def print_batch1_report(r: dict) -> None:
         s = r["startup"]
         print(f"start-up to first byte: pagedchat run {s['median_s']['pagedchat run']:.3f} s, "
               f"import torch {s['median_s']['import torch']:.3f} s: {s['ratio']:.2f}x")
+    if "machine" in r:
+        print(f"machine: {r['machine']}")
 
 
 if __name__ == "__main__":

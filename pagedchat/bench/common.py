@@ -7,6 +7,8 @@ import math
 import os
 import platform
 import random
+import re
+import subprocess
 import sys
 
 
@@ -90,24 +92,79 @@ class PeakMemory:
         return peak_rss_bytes() - self.baseline
 
 
-def machine_description() -> str:
-    """One line naming the hardware the numbers come from."""
-    try:
-        import torch
+# Vector extensions that decide CPU speed, best first: the first one the CPU has names its ISA.
+_ISAS = (("avx512f", ("avx512f",)), ("avx2+fma", ("avx2", "fma")), ("avx", ("avx",)), ("sse4.2", ("sse4_2",)),
+         ("sve", ("sve",)), ("neon", ("asimd",)))
 
-        if torch.cuda.is_available():
-            return f"{torch.cuda.get_device_name(0)} (CUDA {torch.version.cuda}), torch {torch.__version__}"
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = "n/a"
-    cpu = platform.processor() or platform.machine()
+
+def _cpu() -> tuple[str, str]:
+    """(model name, vector ISA) from /proc/cpuinfo; the ISA from the flags (x86) or features (ARM) line."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+            for line in f:
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return f"{os.cpu_count()}-core CPU ({cpu}), no GPU, torch {torch_version}"
+    name = fields.get("model name") or fields.get("Model") or platform.processor() or platform.machine()
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    isa = next((label for label, needed in _ISAS if all(f in flags for f in needed)), "unknown")
+    return name, isa
+
+
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _nvidia_driver() -> str | None:
+    """The kernel driver's version (what nvidia-smi shows)."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            match = re.search(r"Kernel Module(?: for \S+)?\s+(\d+(?:\.\d+)+)", f.read())
+        if match:
+            return match.group(1)
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def machine_info() -> dict:
+    """The hardware and software every number depends on: CPU model and vector ISA, core count, and when a
+    GPU is visible its name, memory, driver and CUDA; torch, triton and transformers versions."""
+    cpu, isa = _cpu()
+    info = {"cpu": cpu, "cpu_isa": isa, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": _version("torch"), "triton": _version("triton"), "transformers": _version("transformers")}
+    try:
+        import torch
+    except ImportError:
+        return info
+    info["torch"] = torch.__version__
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, gpu_count=torch.cuda.device_count(), gpu_memory_gib=round(props.total_memory / 2**30, 1),
+                    gpu_capability=f"{props.major}.{props.minor}", driver=_nvidia_driver(), cuda=torch.version.cuda)
+    return info
+
+
+def machine_description(info: dict | None = None) -> str:
+    """One line naming the hardware the numbers come from (machine_info's fields)."""
+    info = info or machine_info()
+    versions = ", ".join(f"{name} {info[name]}" for name in ("torch", "triton", "transformers") if info.get(name))
+    cpu = f"{info['cores']}-core CPU ({info['cpu']}, {info['cpu_isa']})"
+    if "gpu" in info:
+        return f"{info['gpu']} (driver {info['driver'] or '?'}, CUDA {info['cuda']}), {cpu}, {versions}"
+    return f"{cpu}, no GPU, {versions}"
 
 
 def quiet_transformers() -> None:

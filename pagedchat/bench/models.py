@@ -39,7 +39,7 @@ def random_config(arch: str, size: str = "small", max_positions: int = 4096, **o
     common.update(overrides)
     head_dim = common["hidden_size"] // common["num_attention_heads"]
     if arch == "llama":
-        return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+        return LlamaConfig(**common, rope_theta=500000.0)   # rope_parameters= would be unknown to transformers 4
     if arch == "mistral":
         return MistralConfig(**common, sliding_window=None)
     if arch == "qwen2":

@@ -1,8 +1,8 @@
 """`pagedchat bench chat --reopen` / `--reopen --processes` / `--serve-restart`: KV that outlives the process.
 
 --reopen: for each history length a first engine answers the history (kept pinned, as a chat turn is), saves
-it (write-through to the disk tier) and closes its tiers; it then answers each message from the pinned
-history, as the never-restarted process would (the reference replies). Then, alternately, a fresh engine with
+it (write-through to the disk tier) and closes; an engine without a disk tier answers the same history, kept
+pinned, and then each message from it, as the never-restarted process would (the reference replies). Then, alternately, a fresh engine with
 the disk tier and a fresh engine with `kv_disk=0` answer that same message after the history: time to first
 token and the reply. A fresh engine stands for the new process: its pool and RAM tier are empty, and the disk
 folder is all it shares with the first one (the weights are loaded once and shared; a new process would load
@@ -58,14 +58,16 @@ def run_reopen_bench(model_path: Path, model_name: str, histories: tuple[int, ..
         warm = engine(0)
         answer(warm, fresh(message_tokens))   # first calls of each shape allocate
         for history in sorted(histories):
+            history_ids = fresh(history - reply_tokens)
             first = engine(1 << 40)
-            handle = _pinned_history(first, fresh(history - reply_tokens), reply_tokens)
-            first.persist([handle])                                   # the session save, then exit
+            first.persist([_pinned_history(first, history_ids, reply_tokens)])   # the session save, then exit
             first.close()
-            # The never-restarted process goes on from its pinned history: the reference replies. (After
-            # close() the engine writes nothing more, so the messages stay new to the disk folder.)
+            # The never-restarted process goes on from its pinned history: the reference replies, from an engine
+            # holding the same history pinned and no disk tier (so the messages stay new to the disk folder).
+            alive = engine(0)
+            handle = _pinned_history(alive, history_ids, reply_tokens)
             messages = [handle.token_ids + fresh(message_tokens) for _ in range(repeats)]
-            references = [answer(first, m, parent=handle)[1] for m in messages]
+            references = [answer(alive, m, parent=handle)[1] for m in messages]
             disk, plain = [], []
             for message, reference in zip(messages, references):
                 # alternating, so load drift on a shared machine hits both alike

@@ -14,7 +14,9 @@ systems take turns (A B C A B C ...) and the median run of each counts, so a noi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import random
 import subprocess
 import sys
@@ -155,50 +157,68 @@ def _padded_batch(prompts: list[list[int]], pad: int, device: str):
     return ids.to(device), mask.to(device)
 
 
+def _top2_gaps():
+    """A logits processor keeping each step's top-2 logit gap per row, on the device (no sync per step): at a
+    greedy divergence it tells a near-tie, which rounding decides, from an error."""
+    import torch
+    from transformers import LogitsProcessor
+
+    class Top2Gaps(LogitsProcessor):
+        def __init__(self):
+            self.steps: list[torch.Tensor] = []
+
+        def __call__(self, input_ids, scores):
+            top2 = scores.float().topk(2, dim=-1).values
+            self.steps.append(top2[:, 0] - top2[:, 1])
+            return scores
+
+        def per_row(self) -> list[list[float]]:
+            return torch.stack(self.steps, dim=1).tolist() if self.steps else []
+
+    return Top2Gaps()
+
+
 def worker_hf_generate(spec: dict, memory) -> dict:
     import torch
+    from transformers import LogitsProcessorList
 
     model = _load_hf(spec)
     pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     memory.start()
     n = spec["max_tokens"]
 
-    def generate(prompts, new_tokens, streamer=None):
+    def generate(prompts, new_tokens, streamer=None, gaps=None):
         ids, mask = _padded_batch(prompts, pad, spec["device"])
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                 do_sample=False, pad_token_id=pad, eos_token_id=None, streamer=streamer)
+                                 do_sample=False, pad_token_id=pad, eos_token_id=None, streamer=streamer,
+                                 logits_processor=LogitsProcessorList([gaps] if gaps else []))
         return out[:, ids.shape[1]:].tolist()
 
     generate(spec["warmup"], 4)
-    clock = _FirstTokenClock()
+    clock, gaps = _FirstTokenClock(), _top2_gaps()
     _sync(spec["device"])
     start = time.perf_counter()
-    outputs = generate(spec["prompts"], n, clock)
+    outputs = generate(spec["prompts"], n, clock, gaps)
     _sync(spec["device"])
     wall = time.perf_counter() - start
     ttft = clock.first_token_time - start
-    return {"wall_s": wall, "ttft_s": [ttft] * len(outputs), "outputs": outputs}
+    return {"wall_s": wall, "ttft_s": [ttft] * len(outputs), "outputs": outputs, "top2_gaps": gaps.per_row()}
 
 
 def worker_hf_cb(spec: dict, memory) -> dict:
-    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers import GenerationConfig
 
     model = _load_hf(spec)
     memory.start()
     n = spec["max_tokens"]
     gen = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1,
                            pad_token_id=model.config.pad_token_id or 0)
-    on_gpu = spec["device"].startswith("cuda")
-    cb = ContinuousBatchingConfig(page_size=spec["block_size"], num_blocks=spec["num_blocks"],
-                                  max_batch_tokens=spec["max_batched_tokens"],
-                                  max_requests_per_batch=max(256, len(spec["prompts"])))
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb,
-                                                   block=True, timeout=30, warmup=on_gpu) as manager:
-        _collect(manager, manager.add_requests(spec["warmup"], max_new_tokens=4))
+    with _cb_manager(model, gen, spec) as manager:
+        _collect(manager, _add_cb_requests(manager, spec["warmup"], 4, "warmup"))
         _sync(spec["device"])
         start = time.perf_counter()
-        ids = manager.add_requests(spec["prompts"], max_new_tokens=n, record_timestamps=True)
+        ids = _add_cb_requests(manager, spec["prompts"], n, "req", timestamps=True)
         results = _collect(manager, ids)
         _sync(spec["device"])
         wall = time.perf_counter() - start
@@ -206,20 +226,93 @@ def worker_hf_cb(spec: dict, memory) -> dict:
     for o in outs:
         if o.error is not None:
             raise RuntimeError(f"transformers continuous batching failed a request: {o.error}")
-    return {"wall_s": wall, "ttft_s": [o.timestamps[0] - start for o in outs],
-            "outputs": [list(o.generated_tokens) for o in outs]}
+    # Older releases record no timestamps: no TTFT then.
+    ttft = [o.timestamps[0] - start if getattr(o, "timestamps", None) else None for o in outs]
+    return {"wall_s": wall, "ttft_s": ttft if None not in ttft else [], "outputs": [list(o.generated_tokens) for o in outs]}
+
+
+def _accepted(fn, **kwargs) -> dict:
+    """The keyword arguments `fn` takes (the continuous-batching API moved between transformers releases)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+@contextlib.contextmanager
+def _cb_manager(model, gen, spec: dict):
+    """A running ContinuousBatchingManager with the same KV sizing as pagedchat's, on every transformers release
+    that has one: from ~5.0 through a ContinuousBatchingConfig (its block size is `block_size`, `page_size` from
+    5.17 on), before that through attributes of the GenerationConfig (4.54 .. 4.57). Releases before 4.54 have no
+    continuous batching: the error says so, and the other systems are still measured."""
+    import transformers
+
+    sizing = dict(block_size=spec["block_size"], num_blocks=spec["num_blocks"],
+                  max_batch_tokens=spec["max_batched_tokens"],
+                  max_requests_per_batch=max(256, len(spec["prompts"])))
+    if not hasattr(model, "init_continuous_batching"):
+        raise RuntimeError(f"transformers {transformers.__version__} has no continuous batching (it came in 4.54)")
+    config_class = getattr(transformers, "ContinuousBatchingConfig", None)
+    if config_class is not None and hasattr(model, "continuous_batching_context_manager"):
+        if "page_size" in _accepted(config_class, page_size=0):
+            sizing["page_size"] = sizing.pop("block_size")
+        config = config_class(**_accepted(config_class, **sizing))
+        extra = _accepted(model.continuous_batching_context_manager, continuous_batching_config=config, block=True,
+                          timeout=30, warmup=spec["device"].startswith("cuda"))
+        with model.continuous_batching_context_manager(generation_config=gen, **extra) as manager:
+            yield manager
+        return
+    for key, value in sizing.items():
+        setattr(gen, key, value)   # the older manager reads its sizing from the generation config
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(block=True, timeout=30)
+
+
+def _add_cb_requests(manager, prompts: list[list[int]], max_new_tokens: int, prefix: str,
+                     timestamps: bool = False) -> list[str]:
+    """One request per prompt under our own ids (some releases sort a batch added at once)."""
+    ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts):
+        manager.add_request(prompt, **_accepted(manager.add_request, request_id=request_id,
+                                                max_new_tokens=max_new_tokens, record_timestamps=timestamps))
+    return ids
+
+
+class _LastError(logging.Handler):
+    """The last error transformers' continuous-batching loop logged (its thread dies with it, silently)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.message = "no error logged"
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.message = record.getMessage().splitlines()[0]
 
 
 def _collect(manager, ids: list[str], timeout: float = 600) -> dict:
     wanted, results = set(ids), {}
     deadline = time.monotonic() + timeout
+    cb_log, last_error = logging.getLogger("ContinuousBatchingLogger"), _LastError()
+    cb_log.setLevel(logging.ERROR)   # quiet_transformers silences it, errors included
+    cb_log.addHandler(last_error)
     while wanted - results.keys():
         if time.monotonic() > deadline or not manager.is_running():
-            raise RuntimeError("transformers continuous batching stopped before finishing the requests")
+            raise RuntimeError(f"transformers continuous batching stopped before finishing the requests "
+                               f"({last_error.message})")
         result = manager.get_result(timeout=1)
-        if result is not None and result.request_id in wanted and result.is_finished():
+        if result is not None and result.request_id in wanted and _finished(result):
             results[result.request_id] = result
     return results
+
+
+def _finished(result) -> bool:
+    if hasattr(result, "is_finished"):
+        return result.is_finished()
+    return getattr(result.status, "value", result.status) in ("finished", "failed")   # transformers 4.54 .. 4.57
 
 
 WORKERS = {"pagedchat": worker_pagedchat, "hf-generate": worker_hf_generate, "hf-cb": worker_hf_cb}
@@ -266,15 +359,51 @@ def _summarize(runs: list[dict], max_tokens: int) -> dict:
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
             "peak_memory_mib": max(r["peak_memory_bytes"] for r in runs) / 2**20,
             "walls_s": [r["wall_s"] for r in runs], "all_max_tokens": all(len(o) == max_tokens for o in best["outputs"]),
-            "outputs": best["outputs"]}
+            "outputs": best["outputs"], "top2_gaps": best.get("top2_gaps")}
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> dict:
-    """How many requests produced identical greedy tokens, and where the others first differ."""
-    same = sum(1 for x, y in zip(a, b) if x == y)
-    firsts = [next(i for i, (u, v) in enumerate(zip(x, y)) if u != v) for x, y in zip(a, b)
-              if x != y and any(u != v for u, v in zip(x, y))]
-    return {"identical": same, "of": len(a), "first_divergence_min": min(firsts) if firsts else None}
+def agreement(ours: list[list[int]], theirs: list[list[int]], their_gaps: list[list[float]] | None = None) -> dict:
+    """Greedy outputs of the same prompt ids, request by request, compared over the tokens both produced (a
+    system that stopped early at EOS is compared as far as it went): how many requests are identical, how many
+    tokens agree before each request's first divergence, where those divergences fall, and, when the other
+    system kept its top-2 logit gap at every step, that gap at each first divergence (a small gap is a near-tie
+    that rounding decides; a large one is an error)."""
+    firsts, agreeing, compared = [], 0, 0
+    for row, (x, y) in enumerate(zip(ours, theirs)):
+        both = min(len(x), len(y))
+        first = next((i for i in range(both) if x[i] != y[i]), both)
+        agreeing, compared = agreeing + first, compared + both
+        if first < both:
+            firsts.append((first, row))
+    positions = [first for first, _ in firsts]
+    result = {"identical": len(ours) - len(firsts), "of": len(ours), "agreeing_tokens": agreeing,
+              "compared_tokens": compared, "first_divergence_min": min(positions) if positions else None,
+              "first_divergence_median": percentile(positions, 50)}
+    if their_gaps and firsts:
+        gaps = [their_gaps[row][first] for first, row in firsts]
+        result.update(divergence_top2_gap_median=percentile(gaps, 50), divergence_top2_gap_max=max(gaps))
+    return result
+
+
+def _run_all(systems: tuple[str, ...], spec: dict, repeats: int, timeout: float) -> tuple[dict, dict]:
+    """Every system `repeats` times, in turns. A peer that fails is left out with its error (pagedchat's own
+    failure fails the run): the other rows are still measured."""
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    errors: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-") as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec))
+        for _ in range(repeats):
+            for system in systems:
+                if system in errors:
+                    continue
+                try:
+                    runs[system].append(_run_worker(system, spec_path, Path(tmp), timeout))
+                except UserError as e:
+                    if system == "pagedchat":
+                        raise
+                    errors[system] = str(e)
+    return {s: r for s, r in runs.items() if s not in errors}, errors
 
 
 def run_throughput_bench(model_path: Path, model_name: str, requests: int = 16, max_tokens: int = 64,
@@ -284,7 +413,7 @@ def run_throughput_bench(model_path: Path, model_name: str, requests: int = 16, 
                          threads: int | None = None, timeout: float = 1800, profile: bool = False) -> dict:
     from transformers import AutoConfig
 
-    from pagedchat.bench.common import machine_description
+    from pagedchat.bench.common import machine_description, machine_info
 
     if requests < 1 or max_tokens < 1 or repeats < 1:
         raise UserError("--requests, --max-tokens and --repeats must be >= 1")
@@ -301,29 +430,24 @@ def run_throughput_bench(model_path: Path, model_name: str, requests: int = 16, 
     spec = {"model": str(model_path), "device": device, "dtype": dtype, "prompts": prompts, "warmup": warmup,
             "max_tokens": max_tokens, "block_size": block_size, "max_batched_tokens": max_batched_tokens,
             "num_blocks": kv_blocks_for(prompts, max_tokens, block_size), "threads": threads, "profile": profile}
-    runs: dict[str, list[dict]] = {s: [] for s in systems}
-    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-") as tmp:
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        for _ in range(repeats):
-            for system in systems:
-                runs[system].append(_run_worker(system, spec_path, Path(tmp), timeout))
+    runs, errors = _run_all(systems, spec, repeats, timeout)
     summary = {s: _summarize(r, max_tokens) for s, r in runs.items()}
     profiles = [run["profile"] for run in runs["pagedchat"] if "profile" in run]
     ours = summary["pagedchat"]
+    peers = [s for s in summary if s != "pagedchat"]
+    hidden = ("outputs", "top2_gaps")
     result = {
-        "model": model_name, "device": device, "machine": machine_description(), "requests": requests,
-        "max_tokens": max_tokens, "prompt_tokens": [len(p) for p in prompts], "block_size": block_size,
-        "kv_blocks": spec["num_blocks"], "repeats": repeats, "seed": seed, "threads": threads,
-        "systems": {s: {k: v for k, v in summary[s].items() if k != "outputs"} for s in systems},
-        "speedup": {s: ratio(ours["output_tok_per_s"], summary[s]["output_tok_per_s"]) for s in systems
-                    if s != "pagedchat"},
-        "ttft_p50_ratio": {s: ratio(summary[s]["ttft_p50_s"], ours["ttft_p50_s"]) for s in systems
-                           if s != "pagedchat"},
-        "memory_ratio": {s: ratio(summary[s]["peak_memory_mib"], ours["peak_memory_mib"]) for s in systems
-                         if s != "pagedchat"},
-        "greedy_agreement": {s: _agreement(ours["outputs"], summary[s]["outputs"]) for s in systems
-                             if s != "pagedchat"},
+        "model": model_name, "device": device, "machine": machine_description(), "machine_info": machine_info(),
+        "requests": requests, "max_tokens": max_tokens, "prompt_tokens": [len(p) for p in prompts],
+        "block_size": block_size, "kv_blocks": spec["num_blocks"], "repeats": repeats, "seed": seed,
+        "threads": threads,
+        "systems": {s: {k: v for k, v in summary[s].items() if k not in hidden} if s in summary
+                    else {"error": errors[s]} for s in systems},
+        "speedup": {s: ratio(ours["output_tok_per_s"], summary[s]["output_tok_per_s"]) for s in peers},
+        "ttft_p50_ratio": {s: ratio(summary[s]["ttft_p50_s"], ours["ttft_p50_s"]) for s in peers},
+        "memory_ratio": {s: ratio(summary[s]["peak_memory_mib"], ours["peak_memory_mib"]) for s in peers},
+        "greedy_agreement": {s: agreement(ours["outputs"], summary[s]["outputs"], summary[s]["top2_gaps"])
+                             for s in peers},
     }
     if profiles:
         result["pagedchat_profile"] = profiles[0]
@@ -338,7 +462,7 @@ def plot_throughput(r: dict, path: str) -> None:
 
     from pagedchat.bench.common import save_figure
 
-    names = list(r["systems"])
+    names = [n for n in r["systems"] if "error" not in r["systems"][n]]
     short = {"pagedchat": "pagedchat", "hf-generate": "HF generate\n(padded)", "hf-cb": "HF continuous\nbatching"}
     labels = [short[n] for n in names]
     colors = ["tab:blue" if n == "pagedchat" else "tab:red" if n == "hf-generate" else "tab:orange" for n in names]
@@ -358,19 +482,40 @@ def plot_throughput(r: dict, path: str) -> None:
     plt.close(fig)
 
 
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
+
+
+def _agreement_words(a: dict) -> str:
+    words = f"{a['identical']}/{a['of']} identical"
+    if a["compared_tokens"]:
+        words += f", {a['agreeing_tokens'] / a['compared_tokens']:.0%} of tokens before the first divergence"
+    if a["first_divergence_min"] is not None:
+        words += f" (earliest at token {a['first_divergence_min']}"
+        if a.get("divergence_top2_gap_max") is not None:
+            words += (f"; its top-2 logit gap there: median {a['divergence_top2_gap_median']:.3g}, "
+                      f"max {a['divergence_top2_gap_max']:.3g}")
+        words += ")"
+    return words
+
+
 def print_throughput_report(r: dict) -> None:
     from pagedchat.bench.common import print_table
 
     rows = []
     for s, m in r["systems"].items():
-        rows.append([LABELS[s], m["output_tok_per_s"], m["ttft_p50_s"] * 1000, m["ttft_p99_s"] * 1000,
+        if "error" in m:
+            rows.append([LABELS[s], f"failed: {m['error']}", None, None, None, None])
+            continue
+        rows.append([LABELS[s], m["output_tok_per_s"], _ms(m["ttft_p50_s"]), _ms(m["ttft_p99_s"]),
                      m["peak_memory_mib"], 1.0 if s == "pagedchat" else r["speedup"][s]])
-    agree = "; ".join(f"{LABELS[s]}: {a['identical']}/{a['of']} identical" for s, a in r["greedy_agreement"].items())
+    agree = "; ".join(f"{LABELS[s]}: {_agreement_words(a)}" for s, a in r["greedy_agreement"].items())
     lengths = r["prompt_tokens"]
     print_table(f"Throughput: {r['model']} on {r['device']} — {r['requests']} prompts of {min(lengths)}.."
                 f"{max(lengths)} tokens, {r['max_tokens']} new tokens each",
                 ["system", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "peak mem MiB", "pagedchat speedup"],
-                rows, caption=f"greedy outputs vs pagedchat — {agree}. {r['machine']}")
+                rows, caption=f"greedy outputs vs pagedchat — {agree or 'no peer'}.")
+    print(f"machine: {r['machine']}")
     if "pagedchat_profile" in r:
         shares = r["pagedchat_profile"]["shares"]
         print_table("Where pagedchat's step time goes (cProfile, cumulative)", ["part", "share of step time"],

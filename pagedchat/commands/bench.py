@@ -99,6 +99,17 @@ THREADS = typer.Option(None, "--threads", help="torch CPU threads per system (de
                                                "machine oversubscribed by several runs times noise; 0 = torch's "
                                                "default).")
 SEED = typer.Option(0, "--seed", help="Prompt seed.")
+AUTO_SIZE = typer.Option("auto", "--random-size", help="tiny, small, 1b, or auto (small on CPU, 1b on CUDA).")
+
+
+def _sized_model(model: Optional[str], random_arch: Optional[str], random_size: str, device: str, workdir: str,
+                 max_positions: int):
+    """(folder, name) of -m MODEL or of a random --random ARCH model (auto size: 1b in bf16 on CUDA, else small)."""
+    from pagedchat.bench.models import resolve_model
+
+    size = random_size if random_size != "auto" else ("1b" if device.startswith("cuda") else "small")
+    return resolve_model(model, random_arch, size, Path(workdir), max(4096, max_positions),
+                         dtype="bfloat16" if size == "1b" else "float32")
 
 
 @bench.command("throughput", help="pagedchat vs transformers generate (padded batch) and transformers' "
@@ -106,8 +117,7 @@ SEED = typer.Option(0, "--seed", help="Prompt seed.")
 def throughput(
     model: Optional[str] = MODEL,
     random_arch: Optional[str] = RANDOM,
-    random_size: str = typer.Option("auto", "--random-size", help="tiny, small, 1b, or auto (small on CPU, "
-                                                                   "1b on CUDA)."),
+    random_size: str = AUTO_SIZE,
     requests: int = typer.Option(16, "--requests", help="Prompts (mixed lengths), all submitted at once."),
     max_tokens: int = typer.Option(64, "--max-tokens", help="New tokens per prompt (EOS ignored)."),
     mean_prompt: float = typer.Option(128, "--mean-prompt", help="Mean prompt tokens (lognormal)."),
@@ -118,6 +128,8 @@ def throughput(
     systems: str = typer.Option("pagedchat,hf-generate,hf-cb", "--systems", help="Comma-separated subset."),
     repeats: int = typer.Option(1, "--repeats", help="Runs per system, taking turns; the median counts."),
     profile: bool = typer.Option(False, "--profile", help="Also profile pagedchat's steps (where time goes)."),
+    timeout: float = typer.Option(1800, "--timeout", help="Seconds each system's run may take; a peer that takes "
+                                                          "longer becomes a row with that error."),
     batch1: bool = typer.Option(True, "--batch1/--no-batch1", help="Also time batch-1 decode, 512-token prefill "
                                                                    "and `run` start-up (CPU)."),
     peer: Optional[str] = typer.Option(None, "--peer", help="llama.cpp: add it to the batch-1 rows (F32, F16, "
@@ -131,21 +143,19 @@ def throughput(
 ) -> None:
     import tempfile
 
-    from pagedchat.bench.models import resolve_device, resolve_model
+    from pagedchat.bench.models import resolve_device
     from pagedchat.bench.throughput import plot_throughput, print_throughput_report, run_throughput_bench
 
     device = resolve_device(device)
     plot = _plot_path(plot)
-    size = random_size if random_size != "auto" else ("1b" if device.startswith("cuda") else "small")
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
-        path, name = resolve_model(model, random_arch, size, Path(tmp), max(4096, max_prompt + max_tokens + 64),
-                                   dtype="bfloat16" if size == "1b" else "float32")
+        path, name = _sized_model(model, random_arch, random_size, device, tmp, max_prompt + max_tokens + 64)
         result = run_throughput_bench(path, name, requests=requests, max_tokens=max_tokens, mean_prompt=mean_prompt,
                                       max_prompt=max_prompt, block_size=block_size,
                                       max_batched_tokens=max_batched_tokens, device=device, dtype=dtype,
                                       systems=tuple(s.strip() for s in systems.split(",") if s.strip()),
                                       repeats=repeats, seed=seed, threads=_threads(threads, device),
-                                      profile=profile)
+                                      timeout=timeout, profile=profile)
         if batch1 and device == "cpu":
             result["batch1"] = _batch1_rows(path, threads, repeats, peer, seed)
 
@@ -157,6 +167,44 @@ def throughput(
             print_batch1_report(result["batch1"])
 
     _finish(result, as_json, report, plot, plot_throughput)
+
+
+@bench.command("batch1", help="One person at a terminal: batch-1 decode and time to first token against transformers "
+                              "(on CUDA also with graphs off, and against the memory-bandwidth floor).")
+def batch1_command(
+    model: Optional[str] = MODEL,
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = AUTO_SIZE,
+    new_tokens: int = typer.Option(0, "--new-tokens", help="Decode tokens (0: 64 on CPU, 256 on CUDA)."),
+    ttft_tokens: int = typer.Option(2048, "--ttft-tokens", help="CUDA: prompt tokens of the time-to-first-token "
+                                                               "runs."),
+    repeats: int = typer.Option(3, "--repeats", help="CPU: runs per system, taking turns; the median counts."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="CPU: llama.cpp adds its rows (F32, F16, Q8_0)."),
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    threads: Optional[int] = THREADS,
+    seed: int = SEED,
+    as_json: bool = JSON,
+) -> None:
+    import tempfile
+
+    from pagedchat.bench.batch1 import print_batch1_gpu_report, print_batch1_report, run_batch1_gpu
+    from pagedchat.bench.models import resolve_device
+
+    device = resolve_device(device)
+    on_gpu = device.startswith("cuda")
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = _sized_model(model, random_arch, random_size, device, tmp, ttft_tokens + 64)
+        if on_gpu:
+            result = run_batch1_gpu(path, device, dtype, new_tokens=new_tokens or 256, ttft_tokens=ttft_tokens,
+                                    seed=seed)
+        else:
+            from pagedchat.bench.batch1 import run_batch1_bench
+
+            result = run_batch1_bench(path, _threads(threads, "cpu") or 1, repeats=repeats, new_tokens=new_tokens or 64,
+                                      peer=peer, seed=seed)
+    result["model"] = name
+    _finish(result, as_json, print_batch1_gpu_report if on_gpu else print_batch1_report)
 
 
 @bench.command("chat", help="Multi-turn TTFT as the history grows (pinned history vs transformers re-prefill) "
@@ -438,11 +486,12 @@ def _stamp(result: dict) -> None:
     import shlex
     import sys
 
-    from pagedchat.bench.common import machine_description
+    from pagedchat.bench.common import machine_description, machine_info
 
     result["command"] = "pagedchat " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result["date"] = datetime.date.today().isoformat()
-    result.setdefault("machine", machine_description())
+    info = result.setdefault("machine_info", machine_info())
+    result.setdefault("machine", machine_description(info))
 
 
 def _batch1_rows(path, threads: Optional[int], repeats: int, peer: Optional[str], seed: int) -> dict:
@@ -473,6 +522,20 @@ def _threads(threads: Optional[int], device: str) -> Optional[int]:
     if threads < 0:
         raise UserError("--threads must be >= 0")
     return threads or None
+
+
+@bench.command("gpu", help="Everything GPU-side in one run, each step under its own time limit: the GPU tests, "
+                           "batch 1, throughput, the kernels. Writes OUTDIR/gpu-check.json (scripts/gpu_check.sh).")
+def gpu(
+    outdir: Optional[str] = typer.Argument(None, help="Where gpu-check.json and the logs go (default: "
+                                                      "gpu-check-DATE)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the plan, the JSON and the table on CPU."),
+) -> None:
+    from pagedchat.bench.gpu import main
+
+    code = main([*([outdir] if outdir else []), *(["--dry-run"] if dry_run else [])])
+    if code:
+        raise typer.Exit(code)
 
 
 @bench.command("kernels", help="The Triton paged-attention kernels against copy bandwidth and SDPA (CUDA).")

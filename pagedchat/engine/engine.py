@@ -33,7 +33,7 @@ from pagedchat.engine.kv.tiers import KVTiers, build_tiers
 from pagedchat.engine.core.logprobs import TokenLogprob, reduce_rows
 from pagedchat.engine.core.output_processor import OutputProcessor
 from pagedchat.engine.outputs import Branch, CompletionOutput, EngineStats, RequestOutput, TokenEvent
-from pagedchat.engine.core.runner import ModelRunner, kv_bytes_per_block
+from pagedchat.engine.core.runner import ModelRunner, kv_bytes_per_block, release_device_memory
 from pagedchat.engine.decoding.sampler import Sampler, variant_generator
 from pagedchat.engine.core.sampling_params import SamplingParams
 from pagedchat.engine.core.scheduler import ScheduledBatch, Scheduler
@@ -165,9 +165,23 @@ class Engine:
             self.tiers.checkpoint(self.pool.cached_blocks())
 
     def close(self) -> None:
-        """Write what the pool and the RAM tier hold to disk and wait for the writes. Call before exit."""
+        """Call before exit, or before another engine takes the device: write what the pool and the RAM tier
+        hold to disk (waiting for the writes), then give back what the engine took: the KV pool, the CUDA
+        graphs and their memory, its references to the model (the model's memory too when nothing else holds
+        it: a model passed in as `loaded` stays its owner's) and the allocator's cached memory. The engine
+        cannot run afterwards; a second close does nothing."""
+        if self.runner is None:
+            return
         if self.tiers is not None:
             self.tiers.close(self.pool.cached_blocks())
+        device = self.device
+        close_runner = getattr(self.runner, "close", None)   # a model-free runner holds nothing to give back
+        if close_runner is not None:
+            close_runner()
+        self.requests.clear()
+        self._speculators.clear()
+        self.speculator = self.runner = self.tiers = self.draft = self.loaded = None
+        release_device_memory(device)
 
     # -- requests -------------------------------------------------------------------------------------------
     def encode(self, text: str) -> list[int]:

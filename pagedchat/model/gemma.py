@@ -144,6 +144,7 @@ class GemmaModel(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
         self.groups = plan_groups(list(gemma.windows))
+        self.embed_scale = gemma.embed_scale  # set to the model dtype's rounding by build_gemma_model
         for layer, group in zip(self.layers, self.groups.layer_group):
             layer.self_attn.attn.window_group = group - 1
 
@@ -167,7 +168,7 @@ class GemmaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.gemma.embed_scale, dtype=x.dtype, device=x.device)
+        x = x * self.embed_scale
         for layer in self.layers:
             x = layer(positions, x, meta)
         return self.norm(x)
@@ -189,4 +190,14 @@ def build_gemma_model(config, spec: ArchSpec, max_len: int, device, dtype) -> Ge
     else:
         rotary = TableRotary.from_config(config, spec.head_dim, max_len, device)
         rotaries = {t: rotary for t in set(gemma.layer_types)}
-    return materialize(lambda: GemmaModel(spec, gemma, rotaries), device, dtype)
+    model = materialize(lambda: GemmaModel(spec, gemma, rotaries), device, dtype)
+    model.embed_scale = embed_scale_in(gemma.embed_scale, dtype)
+    return model
+
+
+def embed_scale_in(scale: float, dtype: torch.dtype) -> float:
+    """sqrt(hidden) rounded to the model dtype, as a Python float: transformers multiplies by a tensor of the
+    model dtype, and a Python scalar of the same value gives the same products (both are widened to fp32
+    and rounded once) without creating a tensor from host data in every forward, which a CUDA graph could
+    not capture."""
+    return torch.tensor(scale, dtype=dtype).item()

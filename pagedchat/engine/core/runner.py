@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 
@@ -30,6 +31,20 @@ def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
     spec = loaded.spec
     return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim \
         * torch.empty((), dtype=loaded.dtype).element_size()
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Give what was freed back to the device, not only to torch's cache: collect the reference cycles that
+    may still hold tensors, then free cuBLAS's per-stream workspaces (a graph's capture stream has its own)
+    and the caching allocator's unused blocks."""
+    gc.collect()
+    if device.type != "cuda" or not torch.cuda.is_initialized():
+        return
+    torch.cuda.synchronize(device)
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # private; present since torch 2.1
+    if clear_workspaces is not None:
+        clear_workspaces()
+    torch.cuda.empty_cache()
 
 
 class ModelRunner:
@@ -67,7 +82,7 @@ class ModelRunner:
         # (copy-on-write, forks) is made in their caches as well.
         self.block_sharers: list[ModelRunner] = []
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs and not self._window_groups():
+        if self.device.type == "cuda" and config.cuda_graphs:
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
         # The native CPU decode step (pagedchat/native), once its library is built: the first process on a
         # machine builds it in the background and takes the torch path meanwhile.
@@ -82,6 +97,21 @@ class ModelRunner:
 
     def _window_groups(self) -> int:
         return self.kv_groups.num_window_groups if self.kv_groups else 0
+
+    def close(self) -> None:
+        """Drop the pool's caches, the graphs and the model (Engine.close): whatever still holds the runner (the
+        KV tiers do) holds no device memory. The model's layers let go of this pool's caches; a model shared
+        with a newer runner keeps the caches that runner bound."""
+        for sharer in self.block_sharers:
+            sharer.close()
+        if self.graphs is not None:
+            self.graphs.close()
+        ours = {id(cache) for cache in self.k_caches + self.v_caches}
+        for layer in self.attention_layers:
+            if id(layer.k_cache) in ours:
+                layer.k_cache = layer.v_cache = torch.empty(0)
+        self.k_caches, self.v_caches, self.block_sharers, self.attention_layers = [], [], [], []
+        self.graphs = self.native = self._native_next_try = self.model = self.loaded = None
 
     def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:
@@ -310,6 +340,10 @@ class DecodeGraphs:
         self.tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
         self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        # Sliding-window layer groups (Gemma): each reads its own slots and table through the same lengths.
+        groups = runner._window_groups()
+        self.group_slots = [torch.full_like(self.slots, -1) for _ in range(groups)]
+        self.group_tables = [torch.zeros_like(self.tables) for _ in range(groups)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @classmethod
@@ -326,8 +360,13 @@ class DecodeGraphs:
         return graphs
 
     def _meta(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slots[:size], self.tables[:size], self.seq_lens[:size], self.cu[:size + 1],
+        meta = AttentionMetadata(self.slots[:size], self.tables[:size], self.seq_lens[:size], self.cu[:size + 1],
                                  is_decode=True)
+        if self.group_slots:
+            meta.window_metas = [AttentionMetadata(slots[:size], tables[:size], meta.seq_lens, meta.cu_seqlens_q,
+                                                   is_decode=True)
+                                 for slots, tables in zip(self.group_slots, self.group_tables)]
+        return meta
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -343,15 +382,22 @@ class DecodeGraphs:
             self.graphs[size] = (graph, out)
         torch.cuda.synchronize()
 
+    def close(self) -> None:
+        """Free the graphs; their private memory pool goes back to the allocator with the last of them."""
+        for graph, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         batch = ids.shape[0]
         size = next(s for s in self.sizes if s >= batch)
-        width = meta.block_tables.shape[1]
         self.ids[:batch].copy_(ids)
         self.positions[:batch].copy_(positions)
-        self.slots[:batch].copy_(meta.slot_mapping)
-        self.slots[batch:size].fill_(-1)
-        self.tables[:batch, :width].copy_(meta.block_tables)
+        for slots, tables, m in zip([self.slots, *self.group_slots], [self.tables, *self.group_tables],
+                                    [meta, *(meta.window_metas or ())]):
+            slots[:batch].copy_(m.slot_mapping)
+            slots[batch:size].fill_(-1)
+            tables[:batch, :m.block_tables.shape[1]].copy_(m.block_tables)
         self.seq_lens[:batch].copy_(meta.seq_lens)
         self.seq_lens[batch:size].fill_(0)
         graph, out = self.graphs[size]

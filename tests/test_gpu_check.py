@@ -1,0 +1,109 @@
+"""`scripts/gpu_check.sh` without a GPU: the dry run goes through the whole plan (each step's process, its time
+limit, the JSON written after every step, the table), a missing GPU is one line and a non-zero exit, and the
+GPU paths import nothing of the server's or the REPL's dependencies (the GPU machine does not have them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedchat.bench import gpu
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
+ABSENT_ON_THE_GPU_MACHINE = ("prompt_toolkit", "fastapi", "uvicorn", "llguidance", "starlette")
+BLOCKER = f"""
+import importlib.abc, sys
+
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {ABSENT_ON_THE_GPU_MACHINE!r}:
+            raise ImportError(f"{{name}} is not installed on the GPU machine")
+        return None
+
+sys.meta_path.insert(0, Absent())
+"""
+
+
+@pytest.fixture
+def gpu_machine_env(tmp_path):
+    """Processes started with this environment cannot import what the GPU machine lacks."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp_path, gpu_machine_env):
+    out = tmp_path / "out"
+    proc = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True, env=gpu_machine_env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert list(report["steps"])[:5] == ["install", "tests", "model", "batch1", "throughput"]
+    assert all(s["status"] == "ok" for s in report["steps"].values()), report["steps"]
+    assert report["steps"]["tests"]["figures"]["collected"] > 10          # the GPU tests import without a GPU
+    assert report["steps"]["batch1"]["figures"]["of_floor"] == 0.5
+    assert {"git_revision", "date", "machine_info", "budget_s", "wall_s"} <= set(report)
+    for name in ("torch", "triton", "transformers", "cpu_isa"):
+        assert name in report["machine_info"]
+    assert "GPU check (dry run)" in proc.stdout and "throughput" in proc.stdout
+    assert (out / "logs" / "tests.log").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")
+def test_no_gpu_is_one_line_and_a_non_zero_exit(tmp_path):
+    proc = subprocess.run([str(SCRIPT), str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert len(proc.stderr.strip().splitlines()) == 1 and "no CUDA GPU" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_paths_import_nothing_the_gpu_machine_lacks(gpu_machine_env):
+    code = ("import pagedchat.cli, pagedchat.engine, pagedchat.bench.throughput, pagedchat.bench.batch1, "
+            "pagedchat.bench.kernels, pagedchat.bench.gpu, pagedchat.model.loader; "
+            "from typer.testing import CliRunner; "
+            "r = CliRunner().invoke(pagedchat.cli.app, ['bench', 'throughput', '--help']); assert r.exit_code == 0")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=gpu_machine_env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_a_failing_or_overlong_step_is_recorded_and_the_run_goes_on(tmp_path):
+    (tmp_path / "logs").mkdir()
+    fails = gpu.Step("fails", 30, [sys.executable, "-c", "import sys; sys.exit('boom')"], gpu.read_nothing)
+    hangs = gpu.Step("hangs", 30, [sys.executable, "-c", "import time; time.sleep(30)"], gpu.read_nothing)
+    failed = gpu.run_step(fails, 30, tmp_path, dry_run=False)
+    assert failed["status"] == "failed" and "boom" in failed["error"]
+    cut = gpu.run_step(hangs, 1, tmp_path, dry_run=False)
+    assert cut["status"] == "timeout" and cut["seconds"] < 10
+
+
+def test_step_outputs_are_read_after_other_output(tmp_path):
+    printed = 'a warning [W x]\n{\n  "systems": {"pagedchat": {"output_tok_per_s": 5.0, "ttft_p50_s": 0.5}, ' \
+              '"hf-cb": {"error": "hf-cb run failed: X"}},\n  "speedup": {}, "greedy_agreement": {}\n}\n'
+    figures = gpu.read_throughput(printed, tmp_path)
+    assert figures["tok_per_s"] == {"pagedchat": 5.0, "hf-cb": None} and figures["errors"]["hf-cb"].endswith("X")
+    (tmp_path / "gpu-tests.xml").write_text(
+        '<testsuites><testsuite><testcase classname="t" name="ok"/><testcase classname="t" name="bad">'
+        '<failure message="qwen2-mha7: new token 3: pagedchat 5 != transformers 7"/></testcase>'
+        '<testcase classname="t" name="skip"><skipped/></testcase></testsuite></testsuites>')
+    tests = gpu.read_tests("", tmp_path)
+    assert (tests["passed"], tests["failed"], tests["skipped"]) == (1, 1, 1)
+    assert "pagedchat 5 != transformers 7" in tests["failures"][0]["message"]
+
+
+def test_the_benchmark_model_is_built_whole_once(tmp_path):
+    path = tmp_path / "model"
+    gpu.build_model(path, device="cpu", size="tiny")
+    config = json.loads((path / "config.json").read_text())
+    assert config["torch_dtype" if "torch_dtype" in config else "dtype"] == "bfloat16"
+    assert not path.with_name("model.partial").exists()
+    stamp = (path / "config.json").stat().st_mtime_ns
+    gpu.build_model(path, device="cpu", size="tiny")          # a rerun keeps it
+    assert (path / "config.json").stat().st_mtime_ns == stamp
