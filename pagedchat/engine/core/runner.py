@@ -66,6 +66,8 @@ class ModelRunner:
         # Runners whose caches are indexed by this pool's block ids too (a draft model's): every block copy
         # (copy-on-write, forks) is made in their caches as well.
         self.block_sharers: list[ModelRunner] = []
+        if hasattr(self.model, "use_fused_kernels"):
+            self.model.use_fused_kernels(config.fused_backend(self.device.type))
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs and not self._window_groups():
             self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
