@@ -367,6 +367,34 @@ def spec(
     _finish(result, as_json, print_spec_report, plot, plot_spec)
 
 
+@bench.command("launches", help="Kernel launches of one decode step on the CUDA code path, per layer: the "
+                                "unfused layer ops against the fused kernels (on CPU: Triton interpreted).")
+def launches(
+    model: Optional[str] = MODEL,
+    random_arch: str = typer.Option("llama", "--random", help="Without -m: a random model of this family with "
+                                                              "Llama-3.2-1B's heads (llama, mistral, qwen2, qwen3)."),
+    device: str = DEVICE,
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 (the CUDA default), float16 or float32."),
+    batch: int = typer.Option(1, "--batch", help="Sequences in the step."),
+    context: int = typer.Option(512, "--context", help="Tokens of context per sequence."),
+    as_json: bool = JSON,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat.bench.launches import counting_model, print_launch_report, run_launch_bench
+    from pagedchat.bench.models import resolve_device, resolve_model
+    from pagedchat.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise UserError("bench launches counts the Triton path: install triton")
+    device = resolve_device(device)
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, None, "tiny", Path(tmp)) if model else counting_model(random_arch, Path(tmp))
+        result = run_launch_bench(path, name, device, dtype, batch, context)
+    _finish(result, as_json, print_launch_report)
+
+
 def _finish(result: dict, as_json: bool, report: Callable[[dict], None], plot: Optional[str] = None,
             draw: Optional[Callable[[dict, str], None]] = None) -> None:
     """How a bench command ends: its picture when --plot asks for one (the file's name goes into the result),

@@ -198,6 +198,8 @@ class ModelRunner:
         self._score_prompts(batch, hidden)
         if not sample_rows:
             return None, []
+        if len(sample_rows) == hidden.shape[0]:  # every row, in order (a decode step): no copy, no gather
+            return self.model.compute_logits(hidden), samplers
         rows = torch.tensor(sample_rows, device=self.device)
         return self.model.compute_logits(hidden[rows]), samplers
 
