@@ -395,6 +395,19 @@ def launches(
     _finish(result, as_json, print_launch_report)
 
 
+@bench.command("host-step", help="The host's work in one engine step without a model (scheduler, inputs, "
+                                 "sampling, outputs): what a GPU waits for between steps, at batch 1 and 256.")
+def host_step(
+    batches: str = typer.Option("1,256", "--batches", help="Comma-separated batch sizes."),
+    new_tokens: int = typer.Option(64, "--max-tokens", help="New tokens per request."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per row; the median counts."),
+    as_json: bool = JSON,
+) -> None:
+    from pagedchat.bench.host_step import print_host_step_report, run_host_step_bench
+
+    _finish(run_host_step_bench(_lengths(batches, "--batches"), new_tokens=new_tokens, repeats=repeats), as_json, print_host_step_report)
+
+
 def _finish(result: dict, as_json: bool, report: Callable[[dict], None], plot: Optional[str] = None,
             draw: Optional[Callable[[dict, str], None]] = None) -> None:
     """How a bench command ends: its picture when --plot asks for one (the file's name goes into the result),
