@@ -169,7 +169,8 @@ def rope_write_kv_triton(q, k, v, positions, cos, sin, k_cache, v_cache, slot_ma
     if num_tokens == 0:
         return q_out
     block_d = max(16, next_pow2(head_dim))
-    block_h = max(1, min(next_pow2(max(num_q_heads, num_kv_heads)), 4096 // block_d))  # <= 4096 elements
+    # tiles of <= 1024 elements: a decode step has few tokens, so more, smaller programs finish sooner
+    block_h = max(1, min(next_pow2(max(num_q_heads, num_kv_heads)), 1024 // block_d))
     q_blocks, kv_blocks = triton.cdiv(num_q_heads, block_h), triton.cdiv(num_kv_heads, block_h)
     weights = (q_norm, k_norm) if q_norm is not None else (cos, cos)  # unread without QK_NORM
     kernel(_rope_write_kv_kernel)[(num_tokens, q_blocks + kv_blocks)](

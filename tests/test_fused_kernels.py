@@ -216,3 +216,49 @@ def test_fused_switch(monkeypatch):
     monkeypatch.setenv("PAGEDCHAT_FUSED", "1")
     assert config.fused_backend("cpu") == "auto"
     assert EngineConfig(model="m", fused_kernels=False).fused_backend("cuda") is None
+
+
+# -- on a GPU (skipped without one) --------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_fused_kernels_against_their_twins(monkeypatch, dtype):
+    """Compiled for the device: sums and rotations bit for bit; rsqrt / exp within a few ulp."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(7)
+    x, res, w = (randn(*s, dtype=dtype, gen=g).cuda() for s in ((9, 2048), (9, 2048), (2048,)))
+    out, summed = K.add_rms_norm(x, res, w, 1e-5, backend="triton")
+    twin, twin_sum = K.add_rms_norm_ref(x, res, w, 1e-5)
+    assert torch.equal(summed, twin_sum)
+    assert_kernel_equal(out.cpu(), twin.cpu(), K.add_rms_norm_ref(twin_sum.double(), None, w.double(), 1e-5)[0].cpu())
+    gate_up = randn(9, 2 * 8192, dtype=dtype, gen=g).cuda()
+    got, twin = K.silu_and_mul(gate_up, backend="triton"), K.silu_and_mul_ref(gate_up)
+    torch.testing.assert_close(got, twin, rtol=4 * ULP[dtype], atol=4 * ULP[dtype] * float(twin.abs().max()))
+    q, k, v = randn(9, 32, 64, dtype=dtype, gen=g).cuda(), randn(9, 8, 64, dtype=dtype, gen=g).cuda(), \
+        randn(9, 8, 64, dtype=dtype, gen=g).cuda()
+    cos, sin = torch.rand(100, 64, generator=g).cuda(), torch.rand(100, 64, generator=g).cuda()
+    positions, slots = torch.randint(0, 100, (9,)).cuda(), torch.tensor([3, -1, 7, 0, 9, 12, 15, 1, 2]).cuda()
+    caches = [torch.zeros(4, 8, 8, 64, dtype=dtype, device="cuda") for _ in range(4)]
+    got = K.rope_write_kv(q, k, v, positions, cos, sin, caches[0], caches[1], slots, backend="triton")
+    twin = K.rope_write_kv_ref(q, k, v, positions, cos, sin, caches[2], caches[3], slots)
+    assert torch.equal(got, twin) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_gpu_fused_graphed_verify_steps_match_transformers(model_dirs, arch):
+    """On CUDA in fp32: the fused kernels, CUDA graphs, and n-gram verify steps replayed as graph rows."""
+    from pagedchat.engine import Engine, EngineConfig, SamplingParams
+
+    path, hf = model_dirs[arch]
+    engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_blocks=256, max_num_seqs=8,
+                                 speculate="ngram"), show_progress=False)
+    assert engine.runner.model.fused_backend == "auto" and engine.runner.graphs is not None
+    prompt = prompts(1, seed=40, lo=24, hi=24)[0]
+    ref_tokens, ref_logits = reference(hf, prompt, 24)
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                             context=[prompt + ref_tokens])
+    for _ in engine.steps([rid]):
+        pass
+    assert_greedy_equal(engine.pop_output(rid).outputs[0].token_ids, ref_tokens, ref_logits)
+    assert engine.speculator.stats.accepted_tokens > 0
