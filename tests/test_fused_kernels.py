@@ -184,7 +184,7 @@ def fused_engine(model_dirs, arch, backend, monkeypatch, **kw):
     return engine
 
 
-@pytest.mark.parametrize("arch", ARCHS + ("phi3",))
+@pytest.mark.parametrize("arch", ARCHS + ("phi3", "qwen3_moe", "mixtral"))
 def test_engine_on_the_fused_twins_matches_transformers(model_dirs, monkeypatch, arch):
     from pagedchat.engine import SamplingParams
 
