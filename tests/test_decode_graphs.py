@@ -1,7 +1,8 @@
-"""DecodeGraphs' static buffers, padding and capture ladder, run on CPU: a test double for CUDA graphs re-runs the
-recorded step on the static buffers, as a replay does, with the Triton kernels (attention and the fused layer
-kernels) under the interpreter. Before every replay the static buffers are poisoned with what an earlier, larger
-step could have left there: a row that read a stale id, position or slot would crash or change the tokens."""
+"""DecodeGraphs' static buffers, padding and capture ladder, run on CPU: a test double for CUDA graphs
+(tests/graph_double.py) re-runs the recorded step on the static buffers, as a replay does, with the Triton
+kernels (attention and the fused layer kernels) under the interpreter. Before every replay the static buffers
+are poisoned with what an earlier, larger step could have left there: a row that read a stale id, position or
+slot would crash or change the tokens."""
 
 from __future__ import annotations
 
@@ -12,30 +13,10 @@ from oracle import assert_greedy_equal, reference
 from pagedchat import kernels as K
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
 from pagedchat.engine.core.runner import DecodeGraphs, graph_sizes
+from graph_double import capture_on_cpu
 from triton_rounding import gpu_rounding
 
 needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
-
-
-class ReplayOnCPU:
-    """CudaGraphCapture's double: `capture` records the step and its output; `replay` runs the step again
-    and writes its result into that output tensor (a CUDA graph replays into the same memory)."""
-
-    class Graph:
-        def __init__(self, step, out):
-            self.step, self.out = step, out
-
-        def replay(self):
-            self.out.copy_(self.step())
-
-    @classmethod
-    def capture(cls, step, pool):
-        out = step()
-        return cls.Graph(step, out), out, pool
-
-    @staticmethod
-    def synchronize():
-        pass
 
 
 def test_capture_ladder():
@@ -59,8 +40,8 @@ def graphed_engine(model_dirs, monkeypatch, arch="llama", **kw) -> tuple[Engine,
     for layer in runner.attention_layers:
         layer.backend = "triton"
     runner.model.use_fused_kernels("triton")
-    graphs = runner.graphs = DecodeGraphs.capture(runner, *DecodeGraphs.rows_for(config), capturer=ReplayOnCPU)
-    assert graphs is not None and sorted(graphs.graphs) == [1, 2, 4, 8, 16]
+    graphs = capture_on_cpu(runner, *DecodeGraphs.rows_for(config))
+    assert sorted(graphs.graphs) == [1, 2, 4, 8, 16]
     replays, replay = [], graphs.replay
     vocab = engine.loaded.spec.vocab_size
 

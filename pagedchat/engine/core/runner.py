@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 
@@ -365,7 +364,7 @@ class DecodeGraphs:
         return min(MAX_GRAPH_ROWS, config.max_num_seqs * max_query), max_query
 
     @classmethod
-    def capture(cls, runner: ModelRunner, max_rows: int, max_query: int,
+    def capture(cls, runner: ModelRunner, max_rows: int, max_query: int = 1,
                 capturer=CudaGraphCapture) -> "DecodeGraphs | None":
         graphs = cls(runner, graph_sizes(max_rows), max_query, capturer)
         try:
@@ -410,7 +409,11 @@ class DecodeGraphs:
         on_cuda = self.runner.device.type == "cuda"
         before = torch.cuda.memory_reserved(self.runner.device) if on_cuda else 0
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            step = functools.partial(model, self.ids[:size], self.positions[:size], self._meta(size))
+            # fresh views of the static buffers per call: the unfused rotary caches its table rows by the
+            # identity of the positions tensor (a replayed graph never consults it; a CPU double re-runs this)
+            def step(size=size, meta=self._meta(size)):
+                return model(self.ids[:size], self.positions[:size], meta)
+
             graph, out, pool = self.capturer.capture(step, pool)
             self.graphs[size] = (graph, out)
         self.capturer.synchronize()
