@@ -18,6 +18,7 @@ import warnings
 
 import torch
 
+from .fused_reference import add_rms_norm_ref, rope_write_kv_ref, silu_and_mul_ref
 from .int4_reference import int4_dequantize, int4_matmul_ref
 from .moe_reference import fused_moe_ref
 from .windowed_reference import paged_decode_attention_windowed_ref, paged_prefill_attention_windowed_ref
@@ -34,10 +35,14 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 _TRITON_FUNCTIONS = {"paged_decode_attention_triton": "triton_attention",
                      "paged_prefill_attention_triton": "triton_attention",
                      "write_kv_triton": "triton_cache", "copy_blocks_triton": "triton_cache",
-                     "fused_moe_triton": "triton_moe", "int4_matmul_triton": "triton_int4"}
+                     "fused_moe_triton": "triton_moe", "int4_matmul_triton": "triton_int4",
+                     "add_rms_norm_triton": "triton_fused", "silu_and_mul_triton": "triton_fused",
+                     "rope_write_kv_triton": "triton_fused"}
 
 __all__ = [
     "HAS_TRITON",
+    "add_rms_norm",
+    "add_rms_norm_ref",
     "copy_blocks",
     "copy_blocks_all_layers",
     "copy_blocks_ref",
@@ -53,6 +58,10 @@ __all__ = [
     "paged_prefill_attention_ref",
     "paged_prefill_attention_windowed_ref",
     "resolve_backend",
+    "rope_write_kv",
+    "rope_write_kv_ref",
+    "silu_and_mul",
+    "silu_and_mul_ref",
     "triton_interpret_enabled",
     "write_kv",
     "write_kv_ref",
@@ -190,3 +199,32 @@ def int4_matmul(x, packed, scales, *, backend=None, config=None):
     if resolve_backend(backend, x) == "triton":
         return _triton_function("int4_matmul_triton")(x, packed, scales, config)
     return int4_matmul_ref(x, packed, scales)
+
+
+# -- the fused layer kernels (triton_fused.py; twins in fused_reference.py) ---------------------------------
+
+def add_rms_norm(x, residual, weight, eps, *, backend=None):
+    """(RMSNorm(x + residual), x + residual), both in x's dtype, rounded as transformers rounds (the norm in
+    fp32, cast, then times the weight). residual None: (RMSNorm(x), x)."""
+    if resolve_backend(backend, x) == "triton":
+        return _triton_function("add_rms_norm_triton")(x, residual, weight, eps)
+    return add_rms_norm_ref(x, residual, weight, eps)
+
+
+def silu_and_mul(gate_up, *, backend=None):
+    """[..., 2I] (gate columns, then up) -> silu(gate) * up [..., I] (silu in fp32, rounded, times up)."""
+    if resolve_backend(backend, gate_up) == "triton":
+        return _triton_function("silu_and_mul_triton")(gate_up)
+    return silu_and_mul_ref(gate_up)
+
+
+def rope_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, *, q_norm=None, k_norm=None,
+                  eps=0.0, backend=None):
+    """Rotary (rotate-half layout) of q [T, Hq, D] and k [T, Hkv, D] at `positions` [T], from fp32 tables
+    cos/sin [max_positions, R] (R <= D, even: the channels past R pass through); the rotated k and v are
+    written to slot_mapping [T] (negative slots skipped) in one pass; returns the rotated q [T, Hq, D]
+    (contiguous). q_norm/k_norm [D]: per-head RMSNorm weights applied first (Qwen3), with `eps`."""
+    if resolve_backend(backend, k_cache, q) == "triton":
+        return _triton_function("rope_write_kv_triton")(q, k, v, positions, cos, sin, k_cache, v_cache,
+                                                         slot_mapping, q_norm, k_norm, eps)
+    return rope_write_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps)

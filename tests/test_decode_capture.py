@@ -10,12 +10,12 @@ with an eager stand-in for the graph. The real capture of every family is a `gpu
 import pytest
 import torch
 
+from graph_double import capture_on_cpu
 from hf_models import ARCHS, NEW_FAMILIES
 from host_sync import HostSyncError, no_host_sync, recording_host_syncs
 from oracle import assert_greedy_equal, reference
 from pagedchat import kernels as K
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
-from pagedchat.engine.core.runner import DecodeGraphs
 
 FAMILIES = ARCHS + NEW_FAMILIES
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42]]
@@ -80,28 +80,6 @@ def test_decode_forward_of_every_family_never_syncs_with_the_host(model_dirs, mo
     assert len(guarded) == 2   # two decode steps, both inside the guard (the prefill samples the first token)
 
 
-class _EagerGraph:
-    """Stands in for a captured graph on CPU: replay() runs the forward on the static buffers again."""
-
-    def __init__(self, graphs: DecodeGraphs, size: int):
-        self.run = lambda: graphs.runner.model(graphs.ids[:size], graphs.positions[:size], graphs._meta(size))
-
-    def replay(self) -> None:
-        self.out.copy_(self.run())
-
-    def reset(self) -> None:
-        self.run = None
-
-
-def eager_graphs(runner, sizes) -> DecodeGraphs:
-    graphs = DecodeGraphs(runner, sizes)
-    for size in sizes:
-        graph = _EagerGraph(graphs, size)
-        graph.out = graph.run()
-        graphs.graphs[size] = (graph, graph.out)
-    return graphs
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "gemma3"])
 def test_replay_through_static_buffers_matches_transformers(model_dirs, arch):
     """Three sequences padded to a graph of 4 rows, over the static tables of the full context (and Gemma's
@@ -110,7 +88,7 @@ def test_replay_through_static_buffers_matches_transformers(model_dirs, arch):
     engine = Engine(EngineConfig(model=str(path), num_blocks=128, block_size=8), show_progress=False)
     runner = engine.runner
     runner.native, runner._native_next_try = None, None   # the torch forward, as the graph would run it
-    runner.graphs = eager_graphs(runner, [1, 2, 4])
+    capture_on_cpu(runner, 4)  # graphs of 1, 2 and 4 rows, replayed on CPU
     batch = PROMPTS + [list(range(60, 100))]
     outs = engine.generate(batch, SamplingParams(temperature=0, max_tokens=40))
     for prompt, out in zip(batch, outs):

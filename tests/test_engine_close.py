@@ -5,8 +5,8 @@ torch.cuda.memory_reserved() back where it was, is a `gpu` test (test_gpu_engine
 import gc
 import weakref
 
+from graph_double import capture_on_cpu
 from oracle import assert_greedy_equal, reference
-from test_decode_capture import eager_graphs
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
 from pagedchat.model.loader import load_model
 
@@ -33,7 +33,7 @@ def _holders(obj) -> list[str]:
 def test_close_drops_every_reference_to_the_pool_graphs_and_model(model_dirs):
     engine = Engine(EngineConfig(model=str(model_dirs["qwen3_moe"][0]), num_blocks=64, kv_ram="1MiB"),
                     show_progress=False)   # the RAM tier holds the runner: it must not hold the model through it
-    engine.runner.graphs = eager_graphs(engine.runner, [1, 2])
+    capture_on_cpu(engine.runner, 2)
     kept = engine.generate([[5, 6, 7], [8, 9]], GREEDY, keep=True)   # pinned branches outlive the close
     held = _held(engine)
     engine.close()

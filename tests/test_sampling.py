@@ -87,3 +87,34 @@ def test_stop_strings_and_token_ids():
 def test_invalid_values_are_user_errors(bad):
     with pytest.raises(UserError):
         SamplingParams(**bad)
+
+
+def test_device_penalty_state_equals_the_per_row_penalty_every_step():
+    """The device-resident token sets (SamplingState) give transformers' repetition penalty at every step:
+    more sequences than the first capacity (slots grow), variants forked after the prompt, finished
+    sequences' slots reused, and n-gram speculation appending verified runs the sampler never saw."""
+    from pagedchat.engine.decoding.sampler import Sampler
+
+    engine, _ = fake_engine(num_blocks=600, speculate="ngram")
+    checked = []
+    scores = Sampler.scores
+
+    def checked_scores(self, logits, seqs):
+        out = scores(self, logits, seqs)
+        expected = logits.float().clone()
+        apply_repetition_penalty(expected, seqs)
+        assert torch.equal(out, expected)
+        checked.append(len(seqs))
+        return out
+
+    Sampler.scores = checked_scores
+    try:
+        prompts = [[2 + i % 7, 3, 3 + i % 5, 9, 2 + i % 7, 3] for i in range(70)]
+        params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 1.0, repetition_penalty=1.0 if i % 4 == 0 else 1.3,
+                                 seed=i if i % 2 else None, max_tokens=6 + i % 9, ignore_eos=True, n=1 + (i == 5))
+                  for i in range(70)]
+        engine.generate(prompts, params)
+        engine.generate(prompts[:10], params[:10])   # the finished sequences' slots are reused
+    finally:
+        Sampler.scores = scores
+    assert max(checked) > 64 and len(engine.sampler.state.owner) >= 128

@@ -467,6 +467,72 @@ def accuracy(
     _finish(result, as_json, print_accuracy_report)
 
 
+@bench.command("launches", help="Kernel launches of one decode step on the CUDA code path, per layer: the "
+                                "unfused layer ops against the fused kernels (on CPU: Triton interpreted).")
+def launches(
+    model: Optional[str] = MODEL,
+    random_arch: str = typer.Option("llama", "--random", help="Without -m: a random model of this family with "
+                                                              "Llama-3.2-1B's heads (llama, mistral, qwen2, qwen3)."),
+    device: str = DEVICE,
+    dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16 (the CUDA default), float16 or float32."),
+    batch: int = typer.Option(1, "--batch", help="Sequences in the step."),
+    context: int = typer.Option(512, "--context", help="Tokens of context per sequence."),
+    as_json: bool = JSON,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat.bench.launches import counting_model, print_launch_report, run_launch_bench
+    from pagedchat.bench.models import resolve_device, resolve_model
+    from pagedchat.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise UserError("bench launches counts the Triton path: install triton")
+    device = resolve_device(device)
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, None, "tiny", Path(tmp)) if model else counting_model(random_arch, Path(tmp))
+        result = run_launch_bench(path, name, device, dtype, batch, context)
+    _finish(result, as_json, print_launch_report)
+
+
+@bench.command("host-step", help="The host's work in one engine step without a model (scheduler, inputs, "
+                                 "sampling, outputs): what a GPU waits for between steps, at batch 1 and 256.")
+def host_step(
+    batches: str = typer.Option("1,256", "--batches", help="Comma-separated batch sizes."),
+    new_tokens: int = typer.Option(64, "--max-tokens", help="New tokens per request."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per row; the median counts."),
+    as_json: bool = JSON,
+) -> None:
+    from pagedchat.bench.host_step import print_host_step_report, run_host_step_bench
+
+    _finish(run_host_step_bench(_lengths(batches, "--batches"), new_tokens=new_tokens, repeats=repeats), as_json, print_host_step_report)
+
+
+@bench.command("fused", help="The fused layer kernels against the unfused ops, one run: batch-1 decode with "
+                             "CUDA graphs on and off, TTFT at 2,048 tokens, 256 requests x 128 tokens (CUDA).")
+def fused(
+    model: Optional[str] = MODEL,
+    random_arch: str = typer.Option("llama", "--random", help="Without -m: a random model of this family."),
+    random_size: str = typer.Option("1b", "--random-size", help="tiny, small or 1b (Llama-3.2-1B's shape)."),
+    requests: int = typer.Option(256, "--requests", help="Requests of the many-request run."),
+    repeats: int = typer.Option(3, "--repeats", help="Batch-1 runs and TTFT prompts per configuration."),
+    device: str = DEVICE,
+    as_json: bool = JSON,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat.bench.fused import print_fused_report, run_fused_bench
+    from pagedchat.bench.models import resolve_device, resolve_model
+
+    device = resolve_device(device)
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, None if model else random_arch, random_size, Path(tmp), 4096,
+                                   dtype="bfloat16" if random_size == "1b" else "float32")
+        result = run_fused_bench(path, name, device, requests=requests, repeats=repeats)
+    _finish(result, as_json, print_fused_report)
+
+
 def _finish(result: dict, as_json: bool, report: Callable[[dict], None], plot: Optional[str] = None,
             draw: Optional[Callable[[dict, str], None]] = None) -> None:
     """How a bench command ends: its picture when --plot asks for one (the file's name goes into the result),

@@ -32,6 +32,18 @@ class PagedAttention(nn.Module):
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=self.backend)
+        return self.attend(q, meta)
+
+    def rope_write_attend(self, positions, q, k, v, rotary, meta: AttentionMetadata, q_norm=None, k_norm=None,
+                          eps: float = 0.0) -> torch.Tensor:
+        """The fused path (llama.Attention.forward_fused): rotary of q and k (after per-head q/k norms when
+        given) and the K/V write into the pool in one kernel, the rotated K going straight to its slot."""
+        q = kernels.rope_write_kv(q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache,
+                                  meta.slot_mapping, q_norm=q_norm, k_norm=k_norm, eps=eps, backend=self.backend)
+        return self.attend(q, meta)
+
+    def attend(self, q, meta: AttentionMetadata) -> torch.Tensor:
+        """q over the pool (its new K/V already written)."""
         if meta.is_decode:
             return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                                   meta.seq_lens, self.scale, backend=self.backend)

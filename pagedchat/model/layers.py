@@ -6,6 +6,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from pagedchat import kernels
+
 
 class Linear(nn.Linear):
     """nn.Linear without the random init: every weight is loaded from the checkpoint. (On the meta device
@@ -43,6 +45,11 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.weight * torch.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
+                 backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused path: (norm(x + residual), x + residual) in one kernel, same roundings as forward."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps, backend=backend)
 
 
 class SiluAndMul(nn.Module):

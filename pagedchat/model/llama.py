@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedchat import kernels
 from pagedchat.model.attention import AttentionMetadata, PagedAttention
 from pagedchat.model.layers import Embedding, Linear, RMSNorm, RotaryEmbedding, SiluAndMul
 
@@ -84,6 +85,20 @@ class Attention(nn.Module):
         out = self.attn(q, k, v, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
+    def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One kernel between the two projections' and attention's: rotary (and Qwen3's q/k norms) fused
+        with the K/V write (PagedAttention.rope_write_attend)."""
+        if self.attn.k_cache.dtype != x.dtype:  # a quantized pool: its own write path quantizes
+            return self.forward(positions, x, meta)
+        s = self.spec
+        qkv = self.qkv_proj(x)
+        q = qkv[:, :self.q_size].view(-1, s.num_heads, s.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(-1, s.num_kv_heads, s.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(-1, s.num_kv_heads, s.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight, s.rms_norm_eps) if s.qk_norm else (None, None, 0.0)
+        out = self.attn.rope_write_attend(positions, q, k, v, self.rotary, meta, *norms)
+        return self.o_proj(out.view(-1, self.q_size))
+
 
 class MLP(nn.Module):
     def __init__(self, spec: ArchSpec):
@@ -94,6 +109,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+    def forward_fused(self, x: torch.Tensor, backend: str | None) -> torch.Tensor:
+        return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x), backend=backend))
 
 
 class DecoderLayer(nn.Module):
@@ -108,6 +126,15 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(positions, self.input_layernorm(x), meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, positions, x, residual, meta, backend):
+        """The fused path: each residual add rides in the next norm's kernel; returns (output, residual)
+        whose sum is what forward returns (residual None on the first layer: x is the stream itself)."""
+        h, residual = self.input_layernorm.add_norm(x, residual, backend)
+        h = self.self_attn.forward_fused(positions, h, meta)
+        h, residual = self.post_attention_layernorm.add_norm(h, residual, backend)
+        mlp = self.mlp  # a mixture of experts (moe.py) is one fused call already
+        return (mlp.forward_fused(h, backend) if isinstance(mlp, MLP) else mlp(h)), residual
+
 
 class LlamaFamilyModel(nn.Module):
     """Decoder-only transformer over flattened tokens [T]; attention state lives in the paged pool."""
@@ -121,6 +148,9 @@ class LlamaFamilyModel(nn.Module):
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
         self.rotary = rotary
+        # None: the layer ops one by one (the CPU path, twins of transformers' ops); a kernels backend
+        # ("auto", "triton", "torch"): the fused layer kernels (the CUDA path; see use_fused_kernels)
+        self.fused_backend: str | None = None
 
     def tie_weights(self) -> None:
         if self.spec.tie_embeddings:
@@ -128,9 +158,19 @@ class LlamaFamilyModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.fused_backend is None:
+            for layer in self.layers:
+                x = layer(positions, x, meta)
+            return self.norm(x)
+        residual = None
         for layer in self.layers:
-            x = layer(positions, x, meta)
-        return self.norm(x)
+            x, residual = layer.forward_fused(positions, x, residual, meta, self.fused_backend)
+        return self.norm.add_norm(x, residual, self.fused_backend)[0]
+
+    def use_fused_kernels(self, backend: str | None) -> None:
+        """Run the fused layer kernels (norm + residual add, rotary + K/V write, SiLU x up) through
+        `backend`, or the unfused ops (None). Same numbers either way; fewer launches fused."""
+        self.fused_backend = backend
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Only the rows that will be sampled reach the LM head."""

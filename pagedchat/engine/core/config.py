@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ from pagedchat.dtypes import DTYPE_CHOICES, DTYPE_HINT
 from pagedchat.errors import SettingError, UserError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+FUSED_ENV = "PAGEDCHAT_FUSED"
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
@@ -53,6 +55,8 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     kv_allocation: str = "paged"    # paged | reserved: the peer a contiguous cache stands for (bench serve)
     cuda_graphs: bool = True        # capture decode batches on CUDA
+    fused_kernels: bool | None = None  # the fused layer kernels (norm+add, rotary+KV write, SiLU x up);
+                                       # None = $PAGEDCHAT_FUSED (0|1) if set, else on for CUDA only
     trust_remote_code: bool = False
     chat_template: str | None = None  # replaces the folder's template (models.toml chat_template), set at load
     speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/decoding/speculative.py)
@@ -92,6 +96,16 @@ class EngineConfig:
         if self.dtype not in DTYPE_CHOICES:
             raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")
         self._check_speculation()
+
+    def fused_backend(self, device_type: str) -> str | None:
+        """The kernels backend of the fused layer kernels on this device ("auto": Triton on CUDA), or None
+        for the unfused ops (the CPU default: the torch ops and the native step are faster there)."""
+        on = self.fused_kernels
+        if on is None and os.environ.get(FUSED_ENV, "").strip() in ("0", "1"):
+            on = os.environ[FUSED_ENV].strip() == "1"
+        if on is None:
+            on = device_type == "cuda"
+        return "auto" if on else None
 
     def _check_speculation(self) -> None:
         if self.draft_model and self.speculate == "off":

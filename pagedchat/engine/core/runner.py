@@ -56,6 +56,8 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.device = loaded.device
+        if hasattr(self.model, "use_fused_kernels"):   # before the memory profile: it runs the same path
+            self.model.use_fused_kernels(config.fused_backend(self.device.type))
         self.block_size = config.block_size
         spec = loaded.spec
         # Models with sliding-window layer groups (window_groups.py): a block holds `num_slots` layers, and
@@ -83,7 +85,7 @@ class ModelRunner:
         self.block_sharers: list[ModelRunner] = []
         self.graphs = None
         if self.device.type == "cuda" and config.cuda_graphs:
-            self.graphs = DecodeGraphs.capture(self, min(config.max_num_seqs, 256))
+            self.graphs = DecodeGraphs.capture(self, *DecodeGraphs.rows_for(config))
         # The native CPU decode step (pagedchat/native), once its library is built: the first process on a
         # machine builds it in the background and takes the torch path meanwhile.
         self.native = None
@@ -156,7 +158,8 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
         fraction = 0.9 if config.kv_fraction is None else config.kv_fraction
-        return int(total * fraction - (total - free) - peak_activations)
+        graphs = DecodeGraphs.reserve_bytes(self, config) if config.cuda_graphs else 0
+        return int(total * fraction - (total - free) - peak_activations - graphs)
 
     @torch.inference_mode()
     def _profile_forward(self, num_tokens: int) -> None:
@@ -219,13 +222,15 @@ class ModelRunner:
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
         if self._native_fits(batch, meta, sample_rows):
             return self.native.step(ids, positions, meta.block_tables, meta.seq_lens), samplers
-        if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
+        if self.graphs is not None and self.graphs.fits(ids.shape[0], max(n for _, n in batch.items)):
             hidden = self.graphs.replay(ids, positions, meta)
         else:
             hidden = self.model(ids, positions, meta)
         self._score_prompts(batch, hidden)
         if not sample_rows:
             return None, []
+        if len(sample_rows) == hidden.shape[0]:  # every row, in order (a decode step): no copy, no gather
+            return self.model.compute_logits(hidden), samplers
         rows = torch.tensor(sample_rows, device=self.device)
         return self.model.compute_logits(hidden[rows]), samplers
 
@@ -322,42 +327,111 @@ class ModelRunner:
                                  meta.cu_seqlens_q, meta.is_decode, meta.max_seq_len)
 
 
-class DecodeGraphs:
-    """CUDA graphs of the decode step for a ladder of batch sizes; a batch is padded up to the next size.
+MAX_GRAPH_ROWS = 512  # the largest captured step (rows = sequences x tokens each)
 
-    Small models are bound by Python launch overhead at decode; one graph replay replaces hundreds of
-    launches. Padded rows write nowhere (slot -1) and attend to nothing (length 0). The block-table width is
-    fixed at the model's full context, so the decode kernel's split count is the same at capture and replay.
+
+def graph_sizes(max_rows: int) -> list[int]:
+    """The capture ladder: 1, 2, 4, 8, then every 16 up to 256 and every 32 up to 512 (a step is padded up to
+    the next size: at most 15 padding rows up to 256, 31 above; a padding row costs its share of the matmuls'
+    compute, not of their weight reads)."""
+    ladder = [1, 2, 4, 8, *range(16, 257, 16), *range(288, MAX_GRAPH_ROWS + 1, 32)]
+    sizes = [b for b in ladder if b < max_rows]
+    return sizes + [max_rows]
+
+
+class CudaGraphCapture:
+    """How DecodeGraphs records a step and replays it: CUDA graphs. Tests hand DecodeGraphs a double that
+    re-runs the recorded step on its static buffers, so the buffer, padding and ladder logic runs on CPU."""
+
+    @staticmethod
+    def capture(step, pool):
+        """(graph, its output tensor, the memory pool the next, smaller graph shares)."""
+        step()  # warm-up: compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = step()
+        return graph, out, graph.pool()
+
+    @staticmethod
+    def synchronize() -> None:
+        torch.cuda.synchronize()
+
+
+class DecodeGraphs:
+    """CUDA graphs of the decode step for a ladder of row counts; a step is padded up to the next size.
+
+    Small models are bound by launch overhead at decode; one graph replay replaces hundreds of launches.
+    A row is one query token attending to its sequence's context through the sequence's block table, so the
+    verify step of speculative decoding (1 + k tokens per sequence) replays the same graphs: its tokens
+    become rows of k + 1 consecutive context lengths over the same table (causal by construction), and a
+    short extend (a chat turn's few new tokens) does too. Padded rows write nowhere (slot -1), attend to
+    nothing (length 0) and read token 0 at position 0: nothing left in a static buffer by an earlier step is
+    read. The block-table width is fixed at the model's full context, so the decode kernel's split count is
+    the same at capture and replay.
     """
 
-    def __init__(self, runner: ModelRunner, sizes: list[int]):
-        dev, max_batch = runner.device, sizes[-1]
+    def __init__(self, runner: ModelRunner, sizes: list[int], max_query: int, capturer=CudaGraphCapture):
+        dev, max_rows = runner.device, sizes[-1]
         max_blocks = -(-runner.loaded.max_model_len // runner.block_size)
-        self.runner, self.sizes, self.max_batch = runner, sizes, max_batch
-        self.ids = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(max_batch, dtype=torch.long, device=dev)
-        self.slots = torch.full((max_batch,), -1, dtype=torch.long, device=dev)
-        self.tables = torch.zeros((max_batch, max_blocks), dtype=torch.int32, device=dev)
-        self.seq_lens = torch.zeros(max_batch, dtype=torch.int32, device=dev)
-        self.cu = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self.runner, self.sizes, self.max_batch, self.max_query = runner, sizes, max_rows, max_query
+        self.capturer = capturer
+        self.ids = torch.zeros(max_rows, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(max_rows, dtype=torch.long, device=dev)
+        self.slots = torch.full((max_rows,), -1, dtype=torch.long, device=dev)
+        self.tables = torch.zeros((max_rows, max_blocks), dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(max_rows, dtype=torch.int32, device=dev)
+        self.cu = torch.arange(max_rows + 1, dtype=torch.int32, device=dev)
+        self.rows = torch.arange(max_rows, dtype=torch.int32, device=dev)  # constant: a token's row index
+        self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
         # Sliding-window layer groups (Gemma): each reads its own slots and table through the same lengths.
         groups = runner._window_groups()
         self.group_slots = [torch.full_like(self.slots, -1) for _ in range(groups)]
         self.group_tables = [torch.zeros_like(self.tables) for _ in range(groups)]
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.memory_bytes = 0  # what the graphs' memory pool holds (CUDA), counted in the pool budget
 
     @classmethod
-    def capture(cls, runner: ModelRunner, max_batch: int) -> "DecodeGraphs | None":
-        sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch + 1, 16))
-        if not sizes or sizes[-1] < max_batch:
-            sizes.append(max_batch)
-        graphs = cls(runner, sizes)
+    def rows_for(cls, config: EngineConfig) -> tuple[int, int]:
+        """(most rows a graphed step has, most tokens of one sequence in it): speculation's verify steps take
+        1 + num_draft_tokens rows per sequence (set_speculation may turn it on later: always room for it)."""
+        max_query = 1 + config.num_draft_tokens
+        return min(MAX_GRAPH_ROWS, config.max_num_seqs * max_query), max_query
+
+    @classmethod
+    def capture(cls, runner: ModelRunner, max_rows: int, max_query: int = 1,
+                capturer=CudaGraphCapture) -> "DecodeGraphs | None":
+        graphs = cls(runner, graph_sizes(max_rows), max_query, capturer)
         try:
             graphs._capture_all()
         except Exception as e:  # a model or kernel that cannot be captured still runs, just eagerly
             log.warning("pagedchat: CUDA graph capture failed (%s: %s); decoding eagerly", type(e).__name__, e)
             return None
         return graphs
+
+    @classmethod
+    @torch.inference_mode()
+    def reserve_bytes(cls, runner: ModelRunner, config: EngineConfig) -> int:
+        """What the graphs will hold, measured before the pool is sized (CUDA): their static buffers and the
+        peak of one eager step at the largest size (the graphs share one memory pool, sized by the largest)."""
+        rows, _ = cls.rows_for(config)
+        spec, dev = runner.loaded.spec, runner.device
+        max_blocks = -(-runner.loaded.max_model_len // runner.block_size)
+        scratch = torch.zeros((1, runner.block_size, spec.num_kv_heads, spec.head_dim), dtype=runner.loaded.dtype,
+                              device=dev)
+        for layer in runner.model.attention_layers():
+            layer.k_cache = layer.v_cache = scratch
+        meta = AttentionMetadata(torch.full((rows,), -1, dtype=torch.long, device=dev),
+                                 torch.zeros((rows, max_blocks), dtype=torch.int32, device=dev),
+                                 torch.ones(rows, dtype=torch.int32, device=dev),
+                                 torch.arange(rows + 1, dtype=torch.int32, device=dev), is_decode=True)
+        tokens = torch.zeros(rows, dtype=torch.long, device=dev)
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        runner.model(tokens, tokens, meta)
+        torch.cuda.synchronize(dev)
+        static = rows * (max_blocks + 6) * 8
+        return torch.cuda.max_memory_allocated(dev) - base + static
 
     def _meta(self, size: int) -> AttentionMetadata:
         meta = AttentionMetadata(self.slots[:size], self.tables[:size], self.seq_lens[:size], self.cu[:size + 1],
@@ -371,16 +445,23 @@ class DecodeGraphs:
     @torch.inference_mode()
     def _capture_all(self) -> None:
         model, pool = self.runner.model, None
+        on_cuda = self.runner.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.runner.device) if on_cuda else 0
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
-            meta = self._meta(size)
-            model(self.ids[:size], self.positions[:size], meta)  # warm-up: compiles the kernels
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = model(self.ids[:size], self.positions[:size], meta)
-            pool = graph.pool()
+            # fresh views of the static buffers per call: the unfused rotary caches its table rows by the
+            # identity of the positions tensor (a replayed graph never consults it; a CPU double re-runs this)
+            def step(size=size, meta=self._meta(size)):
+                return model(self.ids[:size], self.positions[:size], meta)
+
+            graph, out, pool = self.capturer.capture(step, pool)
             self.graphs[size] = (graph, out)
-        torch.cuda.synchronize()
+        self.capturer.synchronize()
+        if on_cuda:
+            self.memory_bytes = torch.cuda.memory_reserved(self.runner.device) - before
+
+    def fits(self, num_rows: int, max_query: int) -> bool:
+        """Whether a step of `num_rows` tokens, at most `max_query` of one sequence, replays a graph."""
+        return num_rows <= self.max_batch and max_query <= self.max_query
 
     def close(self) -> None:
         """Free the graphs; their private memory pool goes back to the allocator with the last of them."""
@@ -389,17 +470,35 @@ class DecodeGraphs:
         self.graphs.clear()
 
     def replay(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        batch = ids.shape[0]
-        size = next(s for s in self.sizes if s >= batch)
-        self.ids[:batch].copy_(ids)
-        self.positions[:batch].copy_(positions)
-        for slots, tables, m in zip([self.slots, *self.group_slots], [self.tables, *self.group_tables],
-                                    [meta, *(meta.window_metas or ())]):
-            slots[:batch].copy_(m.slot_mapping)
-            slots[batch:size].fill_(-1)
-            tables[:batch, :m.block_tables.shape[1]].copy_(m.block_tables)
-        self.seq_lens[:batch].copy_(meta.seq_lens)
-        self.seq_lens[batch:size].fill_(0)
+        rows = ids.shape[0]
+        size = next(s for s in self.sizes if s >= rows)
+        self.ids[:rows].copy_(ids)
+        self.positions[:rows].copy_(positions)
+        if rows < size:  # padding rows: token 0 at position 0, written nowhere, attending to nothing
+            self.ids[rows:size].zero_()
+            self.positions[rows:size].zero_()
+            self.seq_lens[rows:size].zero_()
+        self._write_tables(rows, size, meta)
         graph, out = self.graphs[size]
         graph.replay()
-        return out[:batch]
+        return out[:rows]
+
+    def _write_tables(self, rows: int, size: int, meta: AttentionMetadata) -> None:
+        """Each row's slot, block table (one per window layer group too) and context length; a sequence with n
+        tokens in the step gives n rows, the i-th seeing its context up to its own token (no host sync: the
+        row count is known)."""
+        seq = None
+        if not meta.is_decode:
+            cu = meta.cu_seqlens_q.long()
+            seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1, device=cu.device), cu[1:] - cu[:-1],
+                                          output_size=rows)
+        for slots, tables, m in zip([self.slots, *self.group_slots], [self.tables, *self.group_tables],
+                                    [meta, *(meta.window_metas or ())]):
+            slots[:rows].copy_(m.slot_mapping)
+            slots[rows:size].fill_(-1)
+            width = m.block_tables.shape[1]
+            tables[:rows, :width].copy_(m.block_tables if seq is None else m.block_tables[seq])
+        if seq is None:
+            self.seq_lens[:rows].copy_(meta.seq_lens)
+        else:  # the i-th of a sequence's n tokens (i = 0..n-1) sees seq_len - (n - 1 - i) keys
+            self.seq_lens[:rows].copy_(meta.seq_lens[seq] - (cu[seq + 1] - 1 - self.rows[:rows]))

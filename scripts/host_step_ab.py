@@ -1,0 +1,70 @@
+"""A/B of the host work of one engine step (bench/host_step.py) between the sampler of a git revision (A) and
+the working tree's (B), in one process, taking turns, 1 torch thread; prints medians and B/A ratios, and writes
+the JSON given by --out.
+
+    python scripts/host_step_ab.py REV [--repeats 5] [--max-tokens 64] [--out FILE.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+
+def sampler_class(rev: str):
+    """The Sampler of `rev` (engine/decoding/sampler.py at that revision), importable beside today's."""
+    source = subprocess.run(["git", "show", f"{rev}:pagedchat/engine/decoding/sampler.py"], check=True,
+                            capture_output=True, text=True).stdout
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location("sampler_at_rev", f.name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.Sampler
+
+
+def main() -> None:
+    from pagedchat.bench import host_step
+    from pagedchat.bench.common import machine_description
+    from pagedchat.engine import engine as engine_module
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rev")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    sides = {"A": sampler_class(args.rev), "B": engine_module.Sampler}
+    rows = []
+    for batch in (1, 256):
+        for workload in host_step.WORKLOADS:
+            times = {"A": [], "B": []}
+            for r in range(args.repeats):
+                for side in ("A", "B") if r % 2 == 0 else ("B", "A"):
+                    engine_module.Sampler = sides[side]
+                    times[side].append(statistics.median(host_step.time_steps(batch, workload, args.max_tokens, r)))
+            a, b = (1000 * statistics.median(times[s]) for s in ("A", "B"))
+            rows.append({"batch": batch, "workload": workload, "before_ms": round(a, 4), "after_ms": round(b, 4),
+                         "after_over_before": round(b / a, 3)})
+            print(f"batch {batch:3d} {workload:8s} before {a:8.3f} ms  after {b:8.3f} ms  ratio {b / a:.2f}",
+                  flush=True)
+    engine_module.Sampler = sides["B"]
+    result = {"bench": "host_step_ab", "before": args.rev, "after": "working tree", "repeats": args.repeats,
+              "max_tokens": args.max_tokens, "vocab": host_step.VOCAB, "threads": 1,
+              "clock": "thread CPU time per decode step, median over steps, then over repeats",
+              "command": "python " + " ".join(sys.argv), "machine": machine_description(), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
