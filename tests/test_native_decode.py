@@ -213,3 +213,45 @@ def test_other_families_keep_the_torch_path(model_dirs, arch):
 
 def test_half_precision_keeps_the_torch_path(model_dirs):
     assert engine_for(model_dirs["llama"][0], dtype="bfloat16").runner.native is None
+
+
+@pytest.fixture
+def built_with(monkeypatch):
+    """build_with(cflags): the native library built with these target flags (cached for the session, as every
+    build) made the one engines bind."""
+    def build_with(cflags: str):
+        monkeypatch.setenv(build.FLAGS_ENV, cflags)
+        monkeypatch.setattr(build, "_loaded", None)
+        lib = build.load(wait=True)
+        assert lib is not None, build.status()
+        return build.build_info(lib)
+
+    return build_with
+
+
+@pytest.mark.parametrize("cflags, info", [("-march=native -DPC_ISA_GENERIC", "generic vw=4 tile=4x3"),
+                                          ("-march=native -DPC_TILE_R=3 -DPC_TILE_NB=5 -DPC_PIN=0", "tile=3x5")])
+def test_every_tile_shape_computes_the_torch_step(model_dirs, built_with, cflags, info):
+    """The portable fallback (what a CPU without AVX runs) and a shape no ISA picks, on odd batch sizes: full
+    tiles, partial ones and a tail of rows."""
+    assert info in built_with(cflags)
+    engine = engine_for(model_dirs["qwen3"][0], quantize="int8")
+    runner = engine.runner
+    fp32_reference_int8(runner.model)
+    for seed, lens in enumerate([[1], [5, 17, 2, 30, 9, 3, 11], [8] * 4]):
+        expected, got, _, _ = both_steps(runner, lens, seed)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("march", ["skylake-avx512", "haswell", "x86-64"])
+def test_the_source_compiles_for_every_x86_level(march, tmp_path):
+    """The AVX-512 and SSE paths cannot run on every test machine: they must at least compile."""
+    import platform
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    compiler = build._compiler()
+    done = subprocess.run([compiler, "-O1", "-fopenmp", "-fPIC", "-Wall", "-Werror", "-Wno-psabi", f"-march={march}",
+                           "-c", "-o", str(tmp_path / "decode.o"), str(build.SOURCE)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

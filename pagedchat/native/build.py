@@ -214,6 +214,12 @@ def load(wait: bool = False) -> "ctypes.CDLL | None":
     return _loaded
 
 
+def build_info(lib: ctypes.CDLL) -> str:
+    """What a library was built for: its vector ISA and tile shape ("avx2 vw=8 tile=4x3")."""
+    lib.pc_build_info.restype = ctypes.c_char_p
+    return lib.pc_build_info().decode()
+
+
 def building() -> bool:
     """The last load() found no build and one is being made in the background: try again later."""
     return _loaded is None and _why_not == "building in the background"
@@ -222,7 +228,7 @@ def building() -> bool:
 def status() -> str:
     """One line: whether the native decode step is available, and why not."""
     lib = load()
-    return "native decode: on" if lib is not None else f"native decode: off ({_why_not})"
+    return f"native decode: on ({build_info(lib)})" if lib is not None else f"native decode: off ({_why_not})"
 
 
 def _main(compiler: str, target: str) -> int:

@@ -29,12 +29,8 @@
 
 #define API __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
-
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int8_t v16c __attribute__((vector_size(16), aligned(1)));
+#define STR_(x) #x
+#define STR(x) STR_(x)
 
 typedef struct {
     const void *weight;    /* [out, in]: float, or int8 when scales != NULL */
@@ -60,115 +56,212 @@ typedef struct {
     const Layer *layers;
 } Model;
 
-INLINE v16 load16(const float *p) { return *(const v16u *)p; }
-/* int8 -> float, 16 at a time. GCC 12 scalarizes __builtin_convertvector for this, so the two x86 paths
- * are spelled out (sign-extend, then convert); other CPUs take the generic form. */
-#if defined(__AVX512F__)
-INLINE v16 load16q(const int8_t *p) {
-    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-#elif defined(__AVX2__)
-INLINE v16 load16q(const int8_t *p) {
-    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-    v16 v;
-    memcpy(&v, &lo, 32);
-    memcpy((char *)&v + 32, &hi, 32);
-    return v;
-}
+/* ---- Vectors and tile shapes, per instruction set --------------------------------------------------------
+ *
+ * VW floats make one vector: a register of the target (AVX-512: 16, AVX/AVX2: 8, SSE, NEON and the rest: 4).
+ * A linear layer's tile is TILE_R rows x up to TILE_NB sequences of vector accumulators, sized so that the
+ * accumulators, one input vector per sequence and a weight vector all stay in registers:
+ *   AVX-512 (32 zmm): 4 x 6 = 24 accumulators + 6 inputs + 1 weight = 31;
+ *   AVX2+FMA (16 ymm): 4 x 3 = 12 accumulators + 3 inputs + 1 weight = 16, inputs and weight pinned in
+ *     registers (below): 7 loads per 12 multiply-adds. Chosen by measurement on Zen 3 (AMD EPYC, AVX2, one
+ *     thread, a shared machine, best of 60 runs of one layer): 1536x512 at 64 sequences 60-73 GFLOP/s
+ *     against 42-54 for 2 x 6, 36-41 for 3 x 4 unpinned, 58-69 for 3 x 3 and 2 x 4 pinned; 4 x 6, the
+ *     AVX-512 shape, spills and reached 43-46. End to end, small llama, 16 sequences: 32 ms a step against
+ *     168 ms with the AVX-512 shape.
+ *   the portable fallback (SSE: 16 xmm; NEON has 32): 3 x 4 of 4-float vectors, correct everywhere.
+ * -DPC_ISA_GENERIC forces the fallback on any CPU and -DPC_TILE_R / -DPC_TILE_NB override the shape (the
+ * tests build each; PAGEDCHAT_NATIVE_CFLAGS passes them). */
+#if defined(PC_ISA_GENERIC)
+#define VW 4
+#define ISA_NAME "generic"
+#elif defined(__AVX512F__)
+#define VW 16
+#define ISA_NAME "avx512"
+#elif defined(__AVX__)
+#define VW 8
+#define ISA_NAME "avx2"
 #else
-INLINE v16 load16q(const int8_t *p) { return __builtin_convertvector(*(const v16c *)p, v16); }
+#define VW 4
+#define ISA_NAME "generic"
+#endif
+#if !defined(PC_TILE_R) && VW == 16
+#define PC_TILE_R 4
+#define PC_TILE_NB 6
+#elif !defined(PC_TILE_R)
+#define PC_TILE_R 4
+#define PC_TILE_NB 3
+#endif
+#define TILE_R PC_TILE_R
+#define MAX_NB PC_TILE_NB
+#if TILE_R < 1 || TILE_R > 8 || MAX_NB < 1 || MAX_NB > 8
+#error "tile shapes run from 1 to 8 rows and sequences"
+#endif
+/* The intrinsics below are taken only where the vector width is the register's. */
+#if defined(__AVX512F__) && VW == 16
+#define X86_512 1
+#else
+#define X86_512 0
+#endif
+#if defined(__AVX2__) && VW == 8
+#define X86_256 1
+#else
+#define X86_256 0
 #endif
 
-INLINE float hsum(v16 v) {
-    v8 a, b;
-    memcpy(&a, &v, 32);
-    memcpy(&b, (const char *)&v + 32, 32);
-    a += b;
-    v4 c, d;
-    memcpy(&c, &a, 16);
-    memcpy(&d, (const char *)&a + 16, 16);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));
+typedef int8_t vqu __attribute__((vector_size(VW), aligned(1)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v4i __attribute__((vector_size(16)));
 #if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define SHUFFLE(a, b, T, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#define SHUFFLE(a, b, T, ...) __builtin_shuffle(a, b, (T){__VA_ARGS__})
 #endif
 
-INLINE v8 fold(v16 v) {
+INLINE vf loadv(const float *p) { return *(const vfu *)p; }
+INLINE void storev(float *p, vf v) { *(vfu *)p = v; }
+/* int8 -> float, VW at a time. GCC 12 scalarizes __builtin_convertvector for this on x86, so the two x86
+ * paths are spelled out (sign-extend, then convert); other CPUs take the generic form. */
+#if X86_512
+INLINE vf loadq(const int8_t *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif X86_256
+INLINE vf loadq(const int8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+INLINE vf loadq(const int8_t *p) { return __builtin_convertvector(*(const vqu *)p, vf); }
+#endif
+
+/* v4 of the sums of four 4-float vectors: one shuffle tree serves all four. */
+INLINE v4 sums4_of4(v4 q0, v4 q1, v4 q2, v4 q3) {
+    const v4 t01 = SHUFFLE(q0, q1, v4i, 0, 4, 1, 5) + SHUFFLE(q0, q1, v4i, 2, 6, 3, 7);  /* q0 q1 q0 q1 */
+    const v4 t23 = SHUFFLE(q2, q3, v4i, 0, 4, 1, 5) + SHUFFLE(q2, q3, v4i, 2, 6, 3, 7);
+    return SHUFFLE(t01, t23, v4i, 0, 1, 4, 5) + SHUFFLE(t01, t23, v4i, 2, 3, 6, 7);
+}
+
+#if VW == 16
+INLINE v8 halves16(vf v) {  /* the two 8-float halves added */
     v8 a, b;
     memcpy(&a, &v, 32);
     memcpy(&b, (const char *)&v + 32, 32);
     return a + b;
 }
+#endif
 
-/* The sums of p0..p3, in one vector: one reduction tree whose shuffles serve all four. A batch's tiles end in
- * 16 sums each; reducing them one by one, a batch-16 step of the small llama took 25-26 ms, with this 21 ms
- * (measured before and after, not interleaved). */
-INLINE v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
-    const v8 q0 = fold(p0), q1 = fold(p1), q2 = fold(p2), q3 = fold(p3);
-    const v8 t01 = SHUFFLE(q0, q1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q0, q1, 4, 5, 6, 7, 12, 13, 14, 15);
-    const v8 t23 = SHUFFLE(q2, q3, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q2, q3, 4, 5, 6, 7, 12, 13, 14, 15);
+/* The sums of p0..p3, in one vector. A batch's tiles end in 16 sums each; reducing them one by one, a
+ * batch-16 step of the small llama took 25-26 ms on AVX-512, with this 21 ms. */
+INLINE v4 hsum4(vf p0, vf p1, vf p2, vf p3) {
+#if VW == 4
+    return sums4_of4(p0, p1, p2, p3);
+#else
+#if VW == 16
+    const v8 q0 = halves16(p0), q1 = halves16(p1), q2 = halves16(p2), q3 = halves16(p3);
+#else
+    const v8 q0 = p0, q1 = p1, q2 = p2, q3 = p3;
+#endif
+    const v8 t01 = SHUFFLE(q0, q1, v8i, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q0, q1, v8i, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 t23 = SHUFFLE(q2, q3, v8i, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q2, q3, v8i, 4, 5, 6, 7, 12, 13, 14, 15);
     /* t01: 4 partial sums of q0, then 4 of q1; t23 likewise */
-    const v8 u = SHUFFLE(t01, t23, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(t01, t23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const v8 u = SHUFFLE(t01, t23, v8i, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(t01, t23, v8i, 2, 3, 10, 11, 6, 7, 14, 15);
     /* u: 2 partial sums each of q0, q2, q1, q3 */
-    const v8 w = SHUFFLE(u, u, 0, 4, 2, 6, 1, 5, 3, 7);  /* q0 q1 q2 q3, twice */
+    const v8 w = SHUFFLE(u, u, v8i, 0, 4, 2, 6, 1, 5, 3, 7);  /* q0 q1 q2 q3, twice */
     v4 a, b;
     memcpy(&a, &w, 16);
     memcpy(&b, (const char *)&w + 16, 16);
     return a + b;
+#endif
 }
 
-/* Sequences per tile: 4 rows x 6 sequences is 24 accumulators, 6 inputs and a weight vector: 31 of the 32
- * AVX-512 registers, and every weight load feeds 6 FMAs (4 sequences: 4). */
-#define MAX_NB 6
+INLINE float hsum(vf v) {  /* the same tree as hsum4's, lane for lane */
+#if VW == 4
+    v4 c = v;
+#else
+#if VW == 16
+    const v8 a = halves16(v);
+#else
+    const v8 a = v;
+#endif
+    v4 c, d;
+    memcpy(&c, &a, 16);
+    memcpy(&d, (const char *)&a + 16, 16);
+    c += d;
+#endif
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
 
-/* y[b, r] = sum_i x[b, i] * w[r, i] for R rows from r0 and NB sequences: every weight vector loaded once
- * feeds NB accumulators, every input vector R. R and NB are constants after inlining: the accumulators stay
- * in registers. */
+/* Whether a tile's inputs and weight fit in registers beside its accumulators (16 vector registers, which
+ * all but AVX-512 have). Where they fit they are pinned there: left alone, GCC folds every input load into its
+ * multiply-add (R * NB loads a step instead of R + NB), and a tile becomes load-bound. */
+#if defined(PC_PIN)
+#define PIN_INPUTS PC_PIN
+#else
+#define PIN_INPUTS (VW != 16 && TILE_R * MAX_NB + MAX_NB + 1 <= 16)
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#define PIN(v) __asm__("" : "+x"(v))
+#elif defined(__aarch64__)
+#define PIN(v) __asm__("" : "+w"(v))
+#else
+#define PIN(v) ((void)0)
+#endif
+
+/* acc[r * MAX_NB + b] = the sum of a[r][b]'s lanes, four accumulators to a shuffle tree (rows and sequences
+ * taken in order: a 4 x 3 tile is three trees). */
+INLINE void reduce_tile(vf a[TILE_R][MAX_NB], int R, int NB, float *acc) {
+    int k = 0;
+    for (; k + 4 <= R * NB; k += 4) {
+        const v4 sums = hsum4(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
+                              a[(k + 3) / NB][(k + 3) % NB]);
+        for (int j = 0; j < 4; j++) acc[(k + j) / NB * MAX_NB + (k + j) % NB] = sums[j];
+    }
+    for (; k < R * NB; k++) acc[k / NB * MAX_NB + k % NB] = hsum(a[k / NB][k % NB]);
+}
+
+/* y[b, r] = sum_i x[b, i] * w[r, i] for R rows from w (rows `in` apart) and NB sequences: every weight vector
+ * loaded once feeds NB accumulators, every input vector R. R and NB are constants after inlining: the
+ * accumulators stay in registers. */
 #define TILE(NAME, WTYPE, LOAD, SCALAR)                                                                      \
     INLINE void NAME(const WTYPE *w, const float *x, int64_t in, int64_t xstride, int R, int NB, int fetch,  \
                      float *acc) {                                                                          \
-        v16 a[4][MAX_NB];                                                                                   \
+        vf a[TILE_R][MAX_NB];                                                                               \
         for (int r = 0; r < R; r++)                                                                         \
-            for (int b = 0; b < NB; b++) a[r][b] = (v16){0};                                                \
+            for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                 \
         int64_t i = 0;                                                                                      \
         /* While these rows stream, the next tile's are fetched into L1 and the tile 4 ahead into L2 (once:  \
          * later sequences find them in cache). The far fetch keeps more of the stream in flight: the       \
          * matrix-vector pass over the small llama's weights, 8 alternations, 7.2-8.7 ms against 8.2-10.0. */ \
         const char *next = (const char *)(w + R * in), *far = (const char *)(w + 4 * R * in);             \
-        const int lines = fetch ? R * (int)sizeof(WTYPE) / 4 : 0;                                           \
-        for (; i + 16 <= in; i += 16) {                                                                     \
+        const int lines = fetch ? (R * (int)sizeof(WTYPE) * VW + 63) / 64 : 0;                                     \
+        for (; i + VW <= in; i += VW) {                                                                     \
             for (int c = 0; c < lines; c++) {                                                               \
                 __builtin_prefetch(next + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 3);                 \
                 __builtin_prefetch(far + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 1);                  \
             }                                                                                               \
-            v16 xv[MAX_NB];                                                                                 \
-            for (int b = 0; b < NB; b++) xv[b] = load16(x + b * xstride + i);                               \
+            vf xv[MAX_NB];                                                                                  \
+            for (int b = 0; b < NB; b++) {                                                                  \
+                xv[b] = loadv(x + b * xstride + i);                                                         \
+                if (PIN_INPUTS) PIN(xv[b]);                                                                 \
+            }                                                                                               \
             for (int r = 0; r < R; r++) {                                                                   \
-                v16 wv = LOAD(w + r * in + i);                                                              \
+                vf wv = LOAD(w + r * in + i);                                                               \
+                if (PIN_INPUTS) PIN(wv);                                                                    \
                 for (int b = 0; b < NB; b++) a[r][b] += wv * xv[b];                                         \
             }                                                                                               \
         }                                                                                                   \
-        for (int r = 0; r < R; r++) {                                                                       \
-            int b = 0;                                                                                      \
-            if (NB >= 4) {                                                                                  \
-                const v4 sums = hsum4(a[r][0], a[r][1], a[r][2], a[r][3]);                                  \
-                for (; b < 4; b++) acc[r * MAX_NB + b] = sums[b];                                           \
-            }                                                                                               \
-            for (; b < NB; b++) acc[r * MAX_NB + b] = hsum(a[r][b]);                                        \
-            for (b = 0; b < NB; b++)                                                                        \
+        reduce_tile(a, R, NB, acc);                                                                         \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int b = 0; b < NB; b++)                                                                    \
                 for (int64_t j = i; j < in; j++) acc[r * MAX_NB + b] += SCALAR(w[r * in + j]) * x[b * xstride + j]; \
-        }                                                                                                   \
     }
 #define AS_FLOAT(v) (v)
 #define INT8_TO_FLOAT(v) ((float)(v))
-TILE(tile_f32, float, load16, AS_FLOAT)
-TILE(tile_i8, int8_t, load16q, INT8_TO_FLOAT)
+TILE(tile_f32, float, loadv, AS_FLOAT)
+TILE(tile_i8, int8_t, loadq, INT8_TO_FLOAT)
 
 /* The threads of a step: who I am, and the barrier between phases that need each other's results.
  *
@@ -244,15 +337,13 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
     *hi = *lo + chunk < n ? *lo + chunk : n;
 }
 
-/* The specialisations the inliner keeps apart: 4 rows x 1..MAX_NB sequences; a tail of rows goes generic. */
+/* The specialisations the inliner keeps apart: TILE_R rows x 1..MAX_NB sequences (a case above MAX_NB is
+ * never taken); a tail of rows goes generic. */
+#define NB_CASE(FN, W, K) case K: FN(W, x, in, in, TILE_R, (K) <= MAX_NB ? (K) : MAX_NB, fetch, acc); break;
 #define DISPATCH(FN, W)                                                                                      \
-    switch (R * 8 + NB) {                                                                                   \
-        case 4 * 8 + 1: FN(W, x, in, in, 4, 1, fetch, acc); break;                                         \
-        case 4 * 8 + 2: FN(W, x, in, in, 4, 2, fetch, acc); break;                                         \
-        case 4 * 8 + 3: FN(W, x, in, in, 4, 3, fetch, acc); break;                                         \
-        case 4 * 8 + 4: FN(W, x, in, in, 4, 4, fetch, acc); break;                                         \
-        case 4 * 8 + 5: FN(W, x, in, in, 4, 5, fetch, acc); break;                                         \
-        case 4 * 8 + 6: FN(W, x, in, in, 4, 6, fetch, acc); break;                                         \
+    switch (R == TILE_R ? NB : 0) {                                                                         \
+        NB_CASE(FN, W, 1) NB_CASE(FN, W, 2) NB_CASE(FN, W, 3) NB_CASE(FN, W, 4)                             \
+        NB_CASE(FN, W, 5) NB_CASE(FN, W, 6) NB_CASE(FN, W, 7) NB_CASE(FN, W, 8)                             \
         default: FN(W, x, in, in, R, NB, fetch, acc); break;                                                \
     }
 
@@ -290,13 +381,13 @@ static int claim(const Team *t, int64_t tiles, int64_t *lo, int64_t *hi) {
  * thread claims. */
 static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate) {
     int64_t lo, hi;
-    while (claim(team, (l->out + 3) / 4, &lo, &hi)) {
+    while (claim(team, (l->out + TILE_R - 1) / TILE_R, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
-            const int64_t r0 = t * 4;
-            const int R = l->out - r0 < 4 ? (int)(l->out - r0) : 4;
+            const int64_t r0 = t * TILE_R;
+            const int R = l->out - r0 < TILE_R ? (int)(l->out - r0) : TILE_R;
             for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
                 const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
-                float acc[4 * MAX_NB];
+                float acc[TILE_R * MAX_NB];
                 tile(l, r0, R, x, b0, NB, acc);
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
@@ -313,13 +404,13 @@ static void linear(const Team *team, const Linear *l, const float *x, int64_t B,
 static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act) {
     const int64_t I = l->out / 2;
     int64_t lo, hi;
-    while (claim(team, (I + 3) / 4, &lo, &hi)) {
+    while (claim(team, (I + TILE_R - 1) / TILE_R, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
-            const int64_t r0 = t * 4;
-            const int R = I - r0 < 4 ? (int)(I - r0) : 4;
+            const int64_t r0 = t * TILE_R;
+            const int R = I - r0 < TILE_R ? (int)(I - r0) : TILE_R;
             for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
                 const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
-                float gate[4 * MAX_NB], up[4 * MAX_NB];
+                float gate[TILE_R * MAX_NB], up[TILE_R * MAX_NB];
                 tile(l, r0, R, x, b0, NB, gate);
                 tile(l, I + r0, R, x, b0, NB, up);
                 for (int r = 0; r < R; r++)
@@ -351,9 +442,9 @@ static void rotate(float *x, const float *cos, const float *ssin, int64_t D) {
 INLINE int64_t slot_of(const int32_t *table, int64_t pos, int64_t bs) { return (int64_t)table[pos / bs] * bs + pos % bs; }
 
 INLINE float dot(const float *a, const float *b, int64_t n) {
-    v16 acc = {0};
+    vf acc = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
+    for (; i + VW <= n; i += VW) acc += loadv(a + i) * loadv(b + i);
     float s = hsum(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
@@ -376,14 +467,14 @@ static void softmax(float *scores, int64_t len) {
  * registers for the whole context (an output in memory made every key a load-add-store chain). */
 INLINE void attend_head(const float *k_cache, const float *v_cache, const float *qh, const int32_t *table,
                         int64_t len, int64_t bs, int64_t stride, float scale, float *o, float *scores, const int DV) {
-    v16 q[16], acc[16];
-    for (int c = 0; c < DV; c++) q[c] = load16(qh + 16 * c), acc[c] = (v16){0};
+    vf q[256 / VW], acc[256 / VW];
+    for (int c = 0; c < DV; c++) q[c] = loadv(qh + VW * c), acc[c] = (vf){0};
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
         const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
         for (int64_t j = 0; j < n; j++) {
             const float *k = k_cache + (base + j) * stride;
-            v16 d = q[0] * load16(k);
-            for (int c = 1; c < DV; c++) d += q[c] * load16(k + 16 * c);
+            vf d = q[0] * loadv(k);
+            for (int c = 1; c < DV; c++) d += q[c] * loadv(k + VW * c);
             scores[t0 + j] = hsum(d) * scale;
         }
     }
@@ -393,10 +484,10 @@ INLINE void attend_head(const float *k_cache, const float *v_cache, const float 
         for (int64_t j = 0; j < n; j++) {
             const float *v = v_cache + (base + j) * stride;
             const float p = scores[t0 + j];
-            for (int c = 0; c < DV; c++) acc[c] += p * load16(v + 16 * c);
+            for (int c = 0; c < DV; c++) acc[c] += p * loadv(v + VW * c);
         }
     }
-    for (int c = 0; c < DV; c++) memcpy(o + 16 * c, &acc[c], sizeof(v16));
+    for (int c = 0; c < DV; c++) storev(o + VW * c, acc[c]);
 }
 
 /* Any other head size: the same arithmetic with the output in memory. */
@@ -421,9 +512,9 @@ static void attend(const Model *m, const Layer *l, const float *q, const int32_t
         const float *qh = q + h * D;
         float *o = out + h * D;
         switch (D) {
-            case 64: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 4); break;
-            case 128: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 8); break;
-            case 256: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 16); break;
+            case 64: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 64 / VW); break;
+            case 128: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 128 / VW); break;
+            case 256: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 256 / VW); break;
             default: attend_head_any(k_cache, v_cache, qh, table, len, bs, Hkv * D, D, m->scale, o, scores);
         }
     }
@@ -519,3 +610,7 @@ API int pc_decode_step(const Model *m, int64_t B, const int64_t *ids, const int6
 /* The struct sizes the Python side checks its ctypes mirrors against. */
 API int64_t pc_sizeof_model(void) { return sizeof(Model); }
 API int64_t pc_sizeof_layer(void) { return sizeof(Layer); }
+/* What this build was compiled for: the vector ISA and the linear layers' tile shape. */
+API const char *pc_build_info(void) {
+    return ISA_NAME " vw=" STR(VW) " tile=" STR(TILE_R) "x" STR(MAX_NB);
+}
