@@ -9,6 +9,7 @@ unavailable (another family, another dtype, no compiler, PAGEDCHAT_NATIVE=0) mus
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import pytest
 import torch
@@ -32,9 +33,11 @@ def engine_for(path, **kwargs) -> Engine:
                   show_progress=False)
 
 
-def scattered_step(runner, lens: list[int], seed: int):
-    """A decode step over sequences of these lengths: blocks in a shuffled order, the context K/V random, every
-    other slot of the pool NaN (the step must read only a sequence's visible slots)."""
+def scattered_step(runner, lens: list[int], seed: int, new: list[int] | None = None):
+    """A step over sequences of these lengths, each with new[i] tokens in the step (1: a decode step; more: a
+    verify step, causal among its tokens): blocks in a shuffled order, the context K/V random, every other
+    slot of the pool NaN (the step must read only what each token may see)."""
+    new = new or [1] * len(lens)
     g = torch.Generator().manual_seed(seed)
     bs = runner.block_size
     needed = [-(-n // bs) for n in lens]
@@ -47,15 +50,14 @@ def scattered_step(runner, lens: list[int], seed: int):
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     for cache in runner.k_caches + runner.v_caches:
         cache.fill_(float("nan"))
-        for t, n in zip(tables, lens):
-            slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(n - 1)], dtype=torch.long)
+        for t, n, k in zip(tables, lens, new):
+            slots = torch.tensor([t[p // bs] * bs + p % bs for p in range(n - k)], dtype=torch.long)
             cache.view(-1, *cache.shape[2:])[slots] = torch.randn(len(slots), *cache.shape[2:], generator=g)
-    ids = torch.randint(3, runner.loaded.spec.vocab_size, (len(lens),), generator=g)
-    positions = torch.tensor([n - 1 for n in lens])
-    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens)])
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    meta = AttentionMetadata(slots, table, seq_lens, torch.arange(len(lens) + 1, dtype=torch.int32), True,
-                             max(lens))
+    ids = torch.randint(3, runner.loaded.spec.vocab_size, (sum(new),), generator=g)
+    positions = torch.tensor([p for n, k in zip(lens, new) for p in range(n - k, n)])
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, n, k in zip(tables, lens, new) for p in range(n - k, n)])
+    cu = torch.tensor([0] + new, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    meta = AttentionMetadata(slots, table, torch.tensor(lens, dtype=torch.int32), cu, max(new) == 1, max(lens))
     return ids, positions, meta
 
 
@@ -74,11 +76,11 @@ def torch_threads(count: int):
         torch.set_num_threads(old)
 
 
-def both_steps(runner, lens: list[int], seed: int, threads: int = 1):
-    """One decode step (scattered_step) through the torch path, then from the same pool through the native
-    step on `threads` threads: (torch logits, native logits, the K/V torch wrote at the new slots, the K/V the
-    native step wrote there), one entry per cache in each list."""
-    ids, positions, meta = scattered_step(runner, lens, seed)
+def both_steps(runner, lens: list[int], seed: int, threads: int = 1, new: list[int] | None = None):
+    """One step (scattered_step) through the torch path, then from the same pool through the native step on
+    `threads` threads: (torch logits, native logits, the K/V torch wrote at the new slots, the K/V the native
+    step wrote there), one entry per cache in each list."""
+    ids, positions, meta = scattered_step(runner, lens, seed, new)
     caches = runner.k_caches + runner.v_caches
     saved = [c.clone() for c in caches]
 
@@ -90,7 +92,7 @@ def both_steps(runner, lens: list[int], seed: int, threads: int = 1):
     for cache, old in zip(caches, saved):
         cache.copy_(old)
     with torch_threads(threads):
-        got = runner.native.step(ids, positions, meta.block_tables, meta.seq_lens)
+        got = runner.native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q)
     return expected, got, torch_wrote, new_slots()
 
 
@@ -153,13 +155,124 @@ def property_engines(model_dirs):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lens=st.lists(st.integers(1, 56), min_size=1, max_size=9), seed=st.integers(0, 2**16),
-       which=st.sampled_from([("llama", None), ("qwen3", "int8")]), threads=st.sampled_from([1, 2]))
-def test_any_batch_of_decode_steps_equals_the_torch_step(property_engines, lens, seed, which, threads):
-    """Random batch sizes, context lengths (within a block, across blocks, ending mid-block) and block orders."""
+       which=st.sampled_from([("llama", None), ("qwen3", "int8")]), threads=st.sampled_from([1, 2]),
+       data=st.data())
+def test_any_batch_of_decode_steps_equals_the_torch_step(property_engines, lens, seed, which, threads, data):
+    """Random batch sizes, context lengths (within a block, across blocks, ending mid-block), block orders, and
+    tokens per sequence (1: decode; more: a verify step)."""
     runner = property_engines[which].runner
     fp32_reference_int8(runner.model)
-    expected, got, _, _ = both_steps(runner, lens, seed, threads)
+    new = [data.draw(st.integers(1, min(n, 9))) for n in lens] if data.draw(st.booleans()) else None
+    expected, got, _, _ = both_steps(runner, lens, seed, threads, new)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_native_verify_step_computes_the_torch_step(model_dirs, arch, threads):
+    """Speculative decoding's verify steps: k + 1 tokens per sequence, each seeing the context up to itself
+    (a whole sequence in one step included: more queries than one pass over the context takes)."""
+    runner = engine_for(model_dirs[arch][0]).runner
+    for seed, (lens, new) in enumerate([([9], [5]), ([20, 7, 33], [3, 1, 8]), ([16, 17], [16, 2])]):
+        expected, got, torch_wrote, native_wrote = both_steps(runner, lens, seed, threads, new)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        for wrote, want in zip(native_wrote, torch_wrote):
+            torch.testing.assert_close(wrote, want, rtol=1e-5, atol=1e-5)
+
+
+# -- an int8 pool (kernels/kv_quant.py): K/V int8 with one float16 scale per (slot, kv head) -------------------
+def quantize_heads(lib, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode.c's quantizer on rows of x [n, D]: (int8 values, float16 scales)."""
+    x = x.contiguous()
+    q = torch.empty(x.shape, dtype=torch.int8)
+    scales = torch.empty(x.shape[0], dtype=torch.float16)
+    lib.pc_quantize_heads(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[0]), ctypes.c_int64(x.shape[1]),
+                          ctypes.c_void_p(q.data_ptr()), ctypes.c_void_p(scales.data_ptr()))
+    return q, scales
+
+
+def awkward_heads(D: int = 64) -> torch.Tensor:
+    """Rows that test a quantizer's rounding: random magnitudes, zeros, scales that underflow float16, and
+    values that fall exactly halfway between two steps."""
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(200, D, generator=g) * torch.logspace(-6, 4, 200)[:, None], torch.zeros(2, D),
+            torch.full((2, D), 1e-9), torch.randn(2, D, generator=g) * 1e-6]
+    step = torch.tensor(0.0078125)  # a float16 scale; 127 steps make the row's maximum
+    ties = (torch.randint(-126, 126, (8, D), generator=g) + 0.5) * step
+    ties[:, 0] = 127 * step
+    return torch.cat(rows + [ties])
+
+
+def test_the_native_quantizer_writes_what_quantize_kv_writes():
+    from pagedchat.kernels.kv_quant import quantize_kv
+
+    x = awkward_heads()
+    q, scales = quantize_heads(build.load(), x)
+    want_q, want_scales = quantize_kv(x, torch.int8)
+    assert torch.equal(q, want_q) and torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
+
+
+@contextlib.contextmanager
+def int8_pool(runner):
+    """The runner's pool as int8 with float16 scales (quantize_kv), its layers pointing at it while the native
+    step binds; the fp32 caches keep the dequantized values, so the torch step sees what the native step reads.
+    Yields (the native step on the int8 pool, [(values, scales) per K cache then per V cache])."""
+    from pagedchat.kernels.kv_quant import dequantize_kv, quantize_kv
+    from pagedchat.native.step import NativeDecode
+
+    from unittest import mock
+
+    from pagedchat.model import attention
+
+    caches = runner.k_caches + runner.v_caches
+    pools = [quantize_kv(c, torch.int8) for c in caches]
+    for cache, (q, s) in zip(caches, pools):
+        cache.copy_(dequantize_kv(q, s, torch.float32))
+    write_kv = attention.kernels.write_kv
+
+    def write_as_int8(k, v, *args, **kwargs):  # the torch step's new K/V too: stored quantized, read back
+        round_trip = [dequantize_kv(*quantize_kv(x, torch.int8), x.dtype) for x in (k, v)]
+        return write_kv(*round_trip, *args, **kwargs)
+    layers = runner.attention_layers
+    n = len(layers)
+    for layer, (k, _), (v, _) in zip(layers, pools[:n], pools[n:]):
+        layer.k_cache, layer.v_cache = k, v
+    try:
+        native = NativeDecode.bind(runner.model, [k for k, _ in pools[:n]], [v for v, _ in pools[n:]],
+                                   runner.block_size, [s for _, s in pools[:n]], [s for _, s in pools[n:]])
+    finally:
+        for layer, k, v in zip(layers, runner.k_caches, runner.v_caches):
+            layer.k_cache, layer.v_cache = k, v
+    with mock.patch.object(attention.kernels, "write_kv", write_as_int8):
+        yield native, pools
+
+
+def check_int8_pool_step(runner, lens, new, seed=0, threads=1):
+    """The native step on an int8 pool against the torch step on its dequantized values (its new K/V
+    quantized and dequantized before attention reads them): logits, and the new K/V as quantize_kv quantizes
+    what the torch step computed (one step apart at most: the two compute K/V in another summation order)."""
+    from pagedchat.kernels.kv_quant import quantize_kv
+
+    ids, positions, meta = scattered_step(runner, lens, seed, new)
+    with int8_pool(runner) as (native, pools):
+        assert native is not None
+        expected = torch_step(runner, ids, positions, meta)
+        with torch_threads(threads):
+            got = native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for cache, (q, s) in zip(runner.k_caches + runner.v_caches, pools):  # (quantized once more: no change)
+        want_q, want_s = quantize_kv(cache.view(-1, *cache.shape[2:])[meta.slot_mapping], torch.int8)
+        got_q, got_s = q.view(-1, *q.shape[2:])[meta.slot_mapping], s.view(-1, s.shape[-1])[meta.slot_mapping]
+        assert (got_q.int() - want_q.int()).abs().max() <= 1
+        torch.testing.assert_close(got_s.float(), want_s.float(), rtol=2e-3, atol=0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_native_step_on_an_int8_pool(model_dirs, arch, threads):
+    runner = engine_for(model_dirs[arch][0]).runner
+    check_int8_pool_step(runner, [13, 30, 9], None, threads=threads)
+    check_int8_pool_step(runner, [13, 30, 9], [4, 1, 6], seed=1, threads=threads)  # a verify step
 
 
 def count_native_steps(runner) -> list[int]:
@@ -241,6 +354,14 @@ def test_every_tile_shape_computes_the_torch_step(model_dirs, built_with, cflags
     for seed, lens in enumerate([[1], [5, 17, 2, 30, 9, 3, 11], [8] * 4]):
         expected, got, _, _ = both_steps(runner, lens, seed)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    expected, got, _, _ = both_steps(runner, [20, 7, 33], 5, new=[3, 1, 8])
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    check_int8_pool_step(engine_for(model_dirs["qwen2"][0]).runner, [13, 30, 9], [4, 1, 6])
+    from pagedchat.kernels.kv_quant import quantize_kv
+
+    q, scales = quantize_heads(build.load(), awkward_heads())  # (float16 rounding without F16C, in the fallback)
+    want_q, want_scales = quantize_kv(awkward_heads(), torch.int8)
+    assert torch.equal(q, want_q) and torch.equal(scales.view(torch.int16), want_scales.view(torch.int16))
 
 
 @pytest.mark.parametrize("march", ["skylake-avx512", "haswell", "x86-64"])

@@ -1,20 +1,24 @@
-/* One decode step of a Llama-family model on CPU, in one call: every sequence in the batch has exactly one
- * new token; its K/V is written into the paged pool and attention reads the pool through the block table.
+/* One step of a Llama-family model on CPU, in one call, for steps whose every token is sampled: decode steps
+ * (one new token per sequence), speculative decoding's verify steps (k + 1 tokens per sequence, causal among
+ * themselves) and beam steps. Every token's K/V is written into the paged pool, then attention reads the pool
+ * through the block tables.
  *
  * Why native: at batch 1 a small model's step is ~450 eager torch calls, and their dispatch cost (not the
  * arithmetic) is what separates pagedchat from llama.cpp. Here the step is a few dozen loops over memory the
  * torch side owns (weights, caches, rotary tables: pointers, nothing copied). The arithmetic is the torch
  * path's, in fp32, in another summation order (as one GEMM shape already differs from another).
  *
- * Linear layers keep the checkpoint's [out, in] layout, fp32 or int8 with one fp32 scale per output row
- * (pagedchat/model/quantize.py). A tile of 4 rows x up to 4 sequences shares every load: at batch 1 the
- * weights stream once at the memory-bandwidth floor; at batch 16 each weight load feeds 4 sequences.
- * Threads claim the row tiles of every linear layer and split the (sequence, kv head) pairs of attention,
+ * Linear layers keep the checkpoint's [out, in] layout: fp32, int8 with one fp32 scale per output row
+ * (pagedchat/model/quantize.py), or int4 in groups of 32 (pagedchat/model/int4.py). A tile of rows x sequences
+ * shares every load: at batch 1 the weights stream once at the memory-bandwidth floor; at batch 16 each weight
+ * load feeds several sequences. The pool holds fp32 K/V, or int8 with one float16 scale per (slot, kv head)
+ * (kernels/kv_quant.py), written here exactly as quantize_kv writes them.
+ * Threads claim the row tiles of every linear layer and the (sequence, kv head) pairs of attention,
  * inside one OpenMP region per step (the same libgomp torch loaded: one thread pool, no oversubscription);
  * how many threads a step gets is the caller's choice (pagedchat/native/step.py ThreadChoice).
  *
  * Built with the machine's C compiler on first use (pagedchat/native/build.py); GCC/clang vector extensions
- * keep it portable: 16-float vectors become AVX-512, 2 x AVX2 or 4 x SSE as the CPU has.
+ * keep it portable, and the tile shapes follow the instruction set (below).
  */
 #include <math.h>
 #include <stdint.h>
@@ -32,18 +36,21 @@
 #define STR_(x) #x
 #define STR(x) STR_(x)
 
+enum { FMT_F32 = 0, FMT_I8 = 1, FMT_I4 = 2 };
+
 typedef struct {
-    const void *weight;    /* [out, in]: float, or int8 when scales != NULL */
-    const float *scales;   /* [out] per-row scale of an int8 weight, else NULL */
+    const void *weight;    /* [out, in] float or int8; int4: [out, in / 2] packed bytes */
+    const void *scales;    /* int8: float [out]; int4: float16 [out, in / 32]; fp32: NULL */
     const float *bias;     /* [out] or NULL */
-    int64_t out, in;
+    int64_t out, in, format;
 } Linear;
 
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
     const float *q_norm, *k_norm;         /* [head_dim] (Qwen3) or NULL */
     Linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;             /* [num_blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache;              /* [num_blocks, block_size, kv_heads, head_dim]: float, or int8 */
+    uint16_t *k_scales, *v_scales;        /* int8 caches: float16 [num_blocks, block_size, kv_heads]; else NULL */
 } Layer;
 
 typedef struct {
@@ -213,21 +220,23 @@ INLINE float hsum(vf v) {  /* the same tree as hsum4's, lane for lane */
 /* acc[r * MAX_NB + b] = the sum of a[r][b]'s lanes, four accumulators to a shuffle tree (rows and sequences
  * taken in order: a 4 x 3 tile is three trees). */
 INLINE void reduce_tile(vf a[TILE_R][MAX_NB], int R, int NB, float *acc) {
+    if (R > TILE_R || NB > MAX_NB) __builtin_unreachable();
     int k = 0;
     for (; k + 4 <= R * NB; k += 4) {
         const v4 sums = hsum4(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
                               a[(k + 3) / NB][(k + 3) % NB]);
         for (int j = 0; j < 4; j++) acc[(k + j) / NB * MAX_NB + (k + j) % NB] = sums[j];
     }
-    for (; k < R * NB; k++) acc[k / NB * MAX_NB + k % NB] = hsum(a[k / NB][k % NB]);
+    for (int left = 3; left > 0 && k < R * NB; left--, k++) acc[k / NB * MAX_NB + k % NB] = hsum(a[k / NB][k % NB]);
 }
 
-/* y[b, r] = sum_i x[b, i] * w[r, i] for R rows from w (rows `in` apart) and NB sequences: every weight vector
- * loaded once feeds NB accumulators, every input vector R. R and NB are constants after inlining: the
- * accumulators stay in registers. */
+/* y[b, r] = sum_i x[b, i] * w[r, i] for R rows from w (rstride apart; rows of a linear layer are `in` apart,
+ * keys in the pool kv_heads * head_dim) and NB sequences (xstride apart): every weight vector loaded once feeds
+ * NB accumulators, every input vector R. R and NB are constants after inlining: the accumulators stay in
+ * registers. fetch: prefetch the next tile's rows (a linear layer's, which follow these). */
 #define TILE(NAME, WTYPE, LOAD, SCALAR)                                                                      \
-    INLINE void NAME(const WTYPE *w, const float *x, int64_t in, int64_t xstride, int R, int NB, int fetch,  \
-                     float *acc) {                                                                          \
+    INLINE void NAME(const WTYPE *w, const float *x, int64_t in, int64_t rstride, int64_t xstride, int R,    \
+                     int NB, int fetch, float *acc) {                                                       \
         vf a[TILE_R][MAX_NB];                                                                               \
         for (int r = 0; r < R; r++)                                                                         \
             for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                 \
@@ -248,7 +257,7 @@ INLINE void reduce_tile(vf a[TILE_R][MAX_NB], int R, int NB, float *acc) {
                 if (PIN_INPUTS) PIN(xv[b]);                                                                 \
             }                                                                                               \
             for (int r = 0; r < R; r++) {                                                                   \
-                vf wv = LOAD(w + r * in + i);                                                               \
+                vf wv = LOAD(w + r * rstride + i);                                                          \
                 if (PIN_INPUTS) PIN(wv);                                                                    \
                 for (int b = 0; b < NB; b++) a[r][b] += wv * xv[b];                                         \
             }                                                                                               \
@@ -256,7 +265,7 @@ INLINE void reduce_tile(vf a[TILE_R][MAX_NB], int R, int NB, float *acc) {
         reduce_tile(a, R, NB, acc);                                                                         \
         for (int r = 0; r < R; r++)                                                                         \
             for (int b = 0; b < NB; b++)                                                                    \
-                for (int64_t j = i; j < in; j++) acc[r * MAX_NB + b] += SCALAR(w[r * in + j]) * x[b * xstride + j]; \
+                for (int64_t j = i; j < in; j++) acc[r * MAX_NB + b] += SCALAR(w[r * rstride + j]) * x[b * xstride + j]; \
     }
 #define AS_FLOAT(v) (v)
 #define INT8_TO_FLOAT(v) ((float)(v))
@@ -339,20 +348,21 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
 
 /* The specialisations the inliner keeps apart: TILE_R rows x 1..MAX_NB sequences (a case above MAX_NB is
  * never taken); a tail of rows goes generic. */
-#define NB_CASE(FN, W, K) case K: FN(W, x, in, in, TILE_R, (K) <= MAX_NB ? (K) : MAX_NB, fetch, acc); break;
+#define NB_CASE(FN, W, K)                                                                                    \
+    case K: FN(W, x, in, rstride, xstride, TILE_R, (K) <= MAX_NB ? (K) : MAX_NB, fetch, acc); break;
 #define DISPATCH(FN, W)                                                                                      \
     switch (R == TILE_R ? NB : 0) {                                                                         \
         NB_CASE(FN, W, 1) NB_CASE(FN, W, 2) NB_CASE(FN, W, 3) NB_CASE(FN, W, 4)                             \
         NB_CASE(FN, W, 5) NB_CASE(FN, W, 6) NB_CASE(FN, W, 7) NB_CASE(FN, W, 8)                             \
-        default: FN(W, x, in, in, R, NB, fetch, acc); break;                                                \
+        default: FN(W, x, in, rstride, xstride, R, NB, fetch, acc); break;                                  \
     }
 
 /* acc[r * MAX_NB + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of x_all [B, in]. */
 static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t b0, int NB, float *acc) {
-    const int64_t in = l->in;
+    const int64_t in = l->in, rstride = in, xstride = in;
     const int fetch = b0 == 0;
     const float *x = x_all + b0 * in;
-    if (l->scales) {
+    if (l->format == FMT_I8) {
         const int8_t *w = (const int8_t *)l->weight + r0 * in;
         DISPATCH(tile_i8, w)
     } else {
@@ -361,7 +371,7 @@ static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t
     }
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) {
-            if (l->scales) acc[r * MAX_NB + b] *= l->scales[r0 + r];
+            if (l->format == FMT_I8) acc[r * MAX_NB + b] *= ((const float *)l->scales)[r0 + r];
             if (l->bias) acc[r * MAX_NB + b] += l->bias[r0 + r];
         }
 }
@@ -371,11 +381,12 @@ static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t
  * Rows are claimed, not split in fixed shares: a thread that runs slower (its core shared with another
  * process) does fewer tiles instead of holding every phase up until its fixed half is done. */
 #define GRAB 8
-static int claim(const Team *t, int64_t tiles, int64_t *lo, int64_t *hi) {
-    *lo = atomic_fetch_add_explicit(&t->barrier->next_tile, GRAB, memory_order_relaxed);
-    *hi = *lo + GRAB < tiles ? *lo + GRAB : tiles;
+static int claim_n(const Team *t, int64_t tiles, int64_t grab, int64_t *lo, int64_t *hi) {
+    *lo = atomic_fetch_add_explicit(&t->barrier->next_tile, grab, memory_order_relaxed);
+    *hi = *lo + grab < tiles ? *lo + grab : tiles;
     return *lo < tiles;
 }
+INLINE int claim(const Team *t, int64_t tiles, int64_t *lo, int64_t *hi) { return claim_n(t, tiles, GRAB, lo, hi); }
 
 /* y [B, out] = x [B, in] @ w.T (+ bias), or y += that (the residual stream) when accumulate; the tiles this
  * thread claims. */
@@ -440,148 +451,361 @@ static void rotate(float *x, const float *cos, const float *ssin, int64_t D) {
 }
 
 INLINE int64_t slot_of(const int32_t *table, int64_t pos, int64_t bs) { return (int64_t)table[pos / bs] * bs + pos % bs; }
+INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-INLINE float dot(const float *a, const float *b, int64_t n) {
-    vf acc = {0};
-    int64_t i = 0;
-    for (; i + VW <= n; i += VW) acc += loadv(a + i) * loadv(b + i);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
-
-/* Softmax weights in place: exp(s - max) / sum. */
-static void softmax(float *scores, int64_t len) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
-    for (int64_t t = 0; t < len; t++) {
-        scores[t] = expf(scores[t] - mx);
-        sum += scores[t];
+/* ---- float16 scales of an int8 pool ------------------------------------------------------------------------
+ * Rounded to nearest, ties to even, as torch's .to(float16): F16C where the CPU has it, else the same rounding
+ * spelled out (the tests compare the two builds). */
+#if defined(__F16C__) && !defined(PC_ISA_GENERIC)
+INLINE uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
+INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff;
+    uint32_t mant = x & 0x7fffff;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    const int32_t e = (int32_t)exp - 112;  /* the float16 exponent field */
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00);
+    if (e <= 0) {  /* a float16 subnormal (or zero): mant * 2^(e - 14) units of 2^-24 */
+        if (e < -10) return (uint16_t)sign;
+        mant |= 0x800000;
+        const int shift = 14 - e;
+        uint32_t half = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
     }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; t++) scores[t] *= inv;
+    uint32_t h = sign | ((uint32_t)e << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;  /* a carry moves into the exponent, as it should */
+    return (uint16_t)h;
+}
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t x;
+    float f;
+    if (e == 0) {
+        f = (float)mant * (1.f / 16777216.f);  /* exact: mant * 2^-24 */
+        memcpy(&x, &f, 4);
+        x |= sign;
+    } else if (e == 31) {
+        x = sign | 0x7f800000 | (mant << 13);
+    } else {
+        x = sign | ((e + 112) << 23) | (mant << 13);
+    }
+    memcpy(&f, &x, 4);
+    return f;
+}
+#endif
+
+/* One (token, kv head) of K or V into an int8 pool, as kernels/kv_quant.py quantize_kv: scale = float16 of
+ * max|x| / 127, values round(x / scale) (ties to even) clamped to +-127; a zero head keeps scale 0. */
+static void quantize_head(const float *x, int64_t D, int8_t *q, uint16_t *scale) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
+    const uint16_t h = f32_to_f16(amax / 127.f);
+    const float stored = f16_to_f32(h), safe = stored > 0.f ? stored : 1.f;
+    for (int64_t d = 0; d < D; d++) q[d] = (int8_t)fminf(fmaxf(rintf(x[d] / safe), -127.f), 127.f);
+    *scale = h;
 }
 
-/* One query head over its sequence's paged context, keys and values read in place block by block through the
- * table (no gather). DV = head_dim / 16 is a constant after inlining: the query and the output stay in
- * registers for the whole context (an output in memory made every key a load-add-store chain). */
-INLINE void attend_head(const float *k_cache, const float *v_cache, const float *qh, const int32_t *table,
-                        int64_t len, int64_t bs, int64_t stride, float scale, float *o, float *scores, const int DV) {
-    vf q[256 / VW], acc[256 / VW];
-    for (int c = 0; c < DV; c++) q[c] = loadv(qh + VW * c), acc[c] = (vf){0};
+/* ---- Attention ---------------------------------------------------------------------------------------------
+ * One task is one sequence's tokens of this step against one kv head: its M = tokens x (query heads per kv
+ * head) queries read every key and value of the context once. Scores go block by block through the table with
+ * the linear layers' tile (keys as rows, queries as sequences: the keys' loads are shared by all queries of a
+ * GQA group and of a verify step); softmax per query over what it may see (a verify step's token sees the
+ * context up to its own position); then the values, a tile of PV_Q queries x PV_V vectors of the head held in
+ * registers while the keys' rows stream by. An int8 pool is read through its scales: a key's scale multiplies
+ * its score, a value's scale its probability. */
+#if VW == 16
+#define PV_Q 4  /* 16 accumulators + 4 values + 1 probability of 32 zmm */
+#else
+#define PV_Q 2  /* 8 accumulators + 4 values + 1 probability of 16 ymm/xmm */
+#endif
+#define PV_V 4
+#define QMAX 16  /* queries of one task scored together; more take another pass over the context */
+
+/* out[q * ostride + c * VW ...] = sum_t p[q * ld + t] * v_t[c * VW ...] for QN queries and NV vectors, the values
+ * rows of one kv head's context (vstride apart within a block) found through the table. */
+#define PV_TILE(NAME, VTYPE, LOAD)                                                                           \
+    INLINE void NAME(const VTYPE *v0, int64_t vstride, const int32_t *table, int64_t bs, int64_t len,        \
+                     const float *p, int64_t ld, int QN, int NV, float *out, int64_t ostride) {             \
+        vf acc[PV_Q][PV_V];                                                                                 \
+        for (int q = 0; q < QN; q++)                                                                        \
+            for (int c = 0; c < NV; c++) acc[q][c] = (vf){0};                                               \
+        for (int64_t t0 = 0; t0 < len; t0 += bs) {                                                          \
+            const VTYPE *block = v0 + (int64_t)table[t0 / bs] * bs * vstride;                                \
+            const int64_t n = min64(bs, len - t0);                                                          \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                vf vv[PV_V];                                                                                \
+                for (int c = 0; c < NV; c++) {                                                              \
+                    vv[c] = LOAD(block + j * vstride + c * VW);                                             \
+                    PIN(vv[c]);                                                                             \
+                }                                                                                           \
+                for (int q = 0; q < QN; q++) {                                                              \
+                    const vf pq = (vf){0} + p[q * ld + t0 + j];                                             \
+                    for (int c = 0; c < NV; c++) acc[q][c] += pq * vv[c];                                   \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int q = 0; q < QN; q++)                                                                        \
+            for (int c = 0; c < NV; c++) storev(out + q * ostride + c * VW, acc[q][c]);                      \
+    }
+PV_TILE(pv_f32, float, loadv)
+PV_TILE(pv_i8, int8_t, loadq)
+
+/* Specialised: a full PV_Q or a single query, 1..PV_V vectors (a head of 16 floats on AVX2 is 2). */
+#define PV_CASE(FN, V0, P, O, Q, V) case (Q) * 8 + (V): FN(V0, vstride, table, bs, len, P, ld, Q, V, O, ostride); break;
+#define PV_DISPATCH_AT(FN, V0, P, O)                                                                         \
+    switch (QN == PV_Q || QN == 1 ? QN * 8 + NV : 0) {                                                      \
+        PV_CASE(FN, V0, P, O, PV_Q, 4) PV_CASE(FN, V0, P, O, PV_Q, 3) PV_CASE(FN, V0, P, O, PV_Q, 2)         \
+        PV_CASE(FN, V0, P, O, PV_Q, 1) PV_CASE(FN, V0, P, O, 1, 4) PV_CASE(FN, V0, P, O, 1, 3)               \
+        PV_CASE(FN, V0, P, O, 1, 2) PV_CASE(FN, V0, P, O, 1, 1)                                              \
+        default: FN(V0, vstride, table, bs, len, P, ld, QN, NV, O, ostride); break;                         \
+    }
+
+/* The pool of one layer and kv head: rows of `stride` elements (float or int8) from `base`, scales beside. */
+typedef struct {
+    const void *base;
+    const uint16_t *scales;   /* per (slot, kv head), or NULL for a float pool */
+    int64_t stride, scale_stride;
+} Pool;
+
+INLINE Pool pool_of(const void *cache, const uint16_t *scales, int64_t g, int64_t Hkv, int64_t D) {
+    const int64_t offset = g * D;
+    Pool pool = {scales ? (const void *)((const int8_t *)cache + offset) : (const void *)((const float *)cache + offset),
+                 scales ? scales + g : NULL, Hkv * D, Hkv};
+    return pool;
+}
+
+/* s[q * ld + t] = scale * (query q . key t) for t < len. */
+static void score(const Pool *k, const int32_t *table, int64_t bs, int64_t len, const float *queries, int M,
+                  int64_t D, float scale, float *s, int64_t ld) {
+    const int64_t in = D, rstride = k->stride, xstride = D;
+    const int fetch = 0;
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
-        for (int64_t j = 0; j < n; j++) {
-            const float *k = k_cache + (base + j) * stride;
-            vf d = q[0] * loadv(k);
-            for (int c = 1; c < DV; c++) d += q[c] * loadv(k + VW * c);
-            scores[t0 + j] = hsum(d) * scale;
+        const int64_t slot0 = (int64_t)table[t0 / bs] * bs, n = min64(bs, len - t0);
+        for (int64_t j = 0; j < n; j += TILE_R) {
+            const int R = (int)min64(TILE_R, n - j);
+            for (int b0 = 0; b0 < M; b0 += MAX_NB) {
+                const int NB = M - b0 < MAX_NB ? M - b0 : MAX_NB;
+                const float *x = queries + b0 * D;
+                float acc[TILE_R * MAX_NB];
+                if (k->scales) {
+                    const int8_t *w = (const int8_t *)k->base + (slot0 + j) * rstride;
+                    DISPATCH(tile_i8, w)
+                } else {
+                    const float *w = (const float *)k->base + (slot0 + j) * rstride;
+                    DISPATCH(tile_f32, w)
+                }
+                for (int r = 0; r < R; r++) {
+                    const float rs = k->scales ? scale * f16_to_f32(k->scales[(slot0 + j + r) * k->scale_stride]) : scale;
+                    for (int b = 0; b < NB; b++) s[(b0 + b) * ld + t0 + j + r] = acc[r * MAX_NB + b] * rs;
+                }
+            }
         }
-    }
-    softmax(scores, len);
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
-        for (int64_t j = 0; j < n; j++) {
-            const float *v = v_cache + (base + j) * stride;
-            const float p = scores[t0 + j];
-            for (int c = 0; c < DV; c++) acc[c] += p * loadv(v + VW * c);
-        }
-    }
-    for (int c = 0; c < DV; c++) storev(o + VW * c, acc[c]);
-}
-
-/* Any other head size: the same arithmetic with the output in memory. */
-static void attend_head_any(const float *k_cache, const float *v_cache, const float *qh, const int32_t *table,
-                            int64_t len, int64_t bs, int64_t stride, int64_t D, float scale, float *o,
-                            float *scores) {
-    for (int64_t t = 0; t < len; t++) scores[t] = dot(qh, k_cache + slot_of(table, t, bs) * stride, D) * scale;
-    softmax(scores, len);
-    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-    for (int64_t t = 0; t < len; t++) {
-        const float *v = v_cache + slot_of(table, t, bs) * stride, p = scores[t];
-        for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
     }
 }
 
-/* The query heads that share kv head g, over one sequence's context. */
-static void attend(const Model *m, const Layer *l, const float *q, const int32_t *table, int64_t len, int64_t g,
-                   float *out, float *scores) {
-    const int64_t D = m->head_dim, Hkv = m->num_kv_heads, group = m->num_heads / Hkv, bs = m->block_size;
-    const float *k_cache = l->k_cache + g * D, *v_cache = l->v_cache + g * D;  /* slot stride Hkv * D */
-    for (int64_t h = g * group; h < (g + 1) * group; h++) {
-        const float *qh = q + h * D;
-        float *o = out + h * D;
-        switch (D) {
-            case 64: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 64 / VW); break;
-            case 128: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 128 / VW); break;
-            case 256: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 256 / VW); break;
-            default: attend_head_any(k_cache, v_cache, qh, table, len, bs, Hkv * D, D, m->scale, o, scores);
+/* e^x for x <= 0 (a score minus its row's maximum), VW at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
+ * Cephes' expf polynomial, 2^n put into the exponent. Within 2 ulp of expf (the tests hold the step to the torch
+ * path at 1e-4); below -87 it returns ~1e-38 where expf underflows to 0, both nothing beside the row's 1. */
+INLINE vf exp_nonpositive(vf x) {
+    typedef int32_t vi __attribute__((vector_size(4 * VW)));
+    const vi low = x < -87.f;
+    x = (vf)((low & (vi)((vf){0} - 87.f)) | (~low & (vi)x));
+    const vf shift = (vf){0} + 12582912.f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
+    const vf t = x * 1.44269504088896341f + shift, n = t - shift;
+    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln 2 in two parts: n ln 2 exactly */
+    vf poly = (vf){0} + 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    poly = poly * (r * r) + r + 1.f;
+    const vi exponent = ((vi)t - (vi)shift) << 23;
+    return (vf)((vi)poly + exponent);
+}
+
+INLINE vf vmax(vf a, vf b) {
+    typedef int32_t vi __attribute__((vector_size(4 * VW)));
+    const vi gt = a > b;
+    return (vf)((gt & (vi)a) | (~gt & (vi)b));
+}
+
+/* Row q of s becomes softmax over its first visible[q] entries, zero beyond (up to len); an int8 pool's value
+ * scales (vscale[t]) are folded in. */
+static void softmax_rows(float *s, int64_t ld, int M, const int64_t *visible, int64_t len, const float *vscale) {
+    for (int q = 0; q < M; q++) {
+        float *row = s + q * ld;
+        const int64_t n = visible[q], whole = n / VW * VW;
+        vf mv = (vf){0} - INFINITY;
+        for (int64_t t = 0; t < whole; t += VW) mv = vmax(mv, loadv(row + t));
+        float mx = -INFINITY;
+        for (int i = 0; i < VW; i++) mx = mv[i] > mx ? mv[i] : mx;
+        for (int64_t t = whole; t < n; t++) mx = row[t] > mx ? row[t] : mx;
+        vf sv = {0};
+        for (int64_t t = 0; t < whole; t += VW) {
+            const vf e = exp_nonpositive(loadv(row + t) - mx);
+            storev(row + t, e);
+            sv += e;
+        }
+        float sum = hsum(sv);
+        for (int64_t t = whole; t < n; t++) {
+            row[t] = expf(row[t] - mx);
+            sum += row[t];
+        }
+        const float inv = 1.f / sum;
+        if (vscale)
+            for (int64_t t = 0; t < n; t++) row[t] *= inv * vscale[t];
+        else
+            for (int64_t t = 0; t < n; t++) row[t] *= inv;
+        for (int64_t t = n; t < len; t++) row[t] = 0.f;
+    }
+}
+
+/* out[q * D ...] = sum_t p[q * ld + t] * value t, for M queries. */
+static void mix_values(const Pool *v, const int32_t *table, int64_t bs, int64_t len, const float *p, int64_t ld,
+                       int M, int64_t D, float *out) {
+    const int64_t vstride = v->stride, ostride = D, whole = D / VW * VW;
+    for (int64_t c0 = 0; c0 < whole; c0 += PV_V * VW) {
+        const int NV = (int)min64(PV_V, (whole - c0) / VW);
+        for (int q0 = 0; q0 < M; q0 += PV_Q) {
+            const int QN = M - q0 < PV_Q ? M - q0 : PV_Q;
+            const float *pq = p + q0 * ld;
+            float *o = out + q0 * D + c0;
+            if (v->scales) {
+                const int8_t *v0 = (const int8_t *)v->base + c0;
+                PV_DISPATCH_AT(pv_i8, v0, pq, o)
+            } else {
+                const float *v0 = (const float *)v->base + c0;
+                PV_DISPATCH_AT(pv_f32, v0, pq, o)
+            }
         }
     }
+    for (int64_t d = whole; d < D; d++)  /* a head size that is not a multiple of the vector */
+        for (int q = 0; q < M; q++) {
+            float acc = 0.f;
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t row = slot_of(table, t, bs) * vstride + d;
+                acc += p[q * ld + t] * (v->scales ? (float)((const int8_t *)v->base)[row] : ((const float *)v->base)[row]);
+            }
+            out[q * D + d] = acc;
+        }
 }
 
 typedef struct {
     float *x, *qkv, *attn, *act;  /* shared by the team */
-    float *h, *scores;            /* per thread: this thread's copy of the normed rows, its softmax scores */
+    float *h;                     /* per thread: this thread's copy of the normed rows */
+    float *work;                  /* per thread: attention's queries, scores, value scales and outputs */
+    int64_t work_size;            /* floats of `work` per thread */
 } Scratch;
 
+/* What a step is: T tokens of B sequences, sequence b's tokens [cu_q[b], cu_q[b + 1]), each token's position;
+ * sequence b's block table at tables + b * table_stride. */
+typedef struct {
+    int64_t T, B, table_stride, max_len;
+    const int64_t *ids, *positions;
+    const int32_t *cu_q, *tables;
+} Batch;
+
+/* One task: sequence b's tokens against kv head g. The queries are gathered into the thread's work space,
+ * QMAX at a time. */
+static void attend(const Model *m, const Layer *l, const Batch *batch, int64_t b, int64_t g, const Scratch *s,
+                   const Team *team) {
+    const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, G = Hq / Hkv, bs = m->block_size;
+    const int64_t qkv_n = l->qkv.out, first = batch->cu_q[b], n = batch->cu_q[b + 1] - first;
+    const int32_t *table = batch->tables + b * batch->table_stride;
+    const Pool k = pool_of(l->k_cache, l->k_scales, g, Hkv, D), v = pool_of(l->v_cache, l->v_scales, g, Hkv, D);
+    const int64_t len = batch->positions[first + n - 1] + 1, ld = batch->max_len;
+    float *queries = s->work + team->tid * s->work_size, *out = queries + QMAX * D, *scores = out + QMAX * D;
+    float *vscale = l->v_scales ? scores + QMAX * ld : NULL;
+    if (vscale)
+        for (int64_t t = 0; t < len; t++) vscale[t] = f16_to_f32(v.scales[slot_of(table, t, bs) * v.scale_stride]);
+    for (int64_t q0 = 0; q0 < n * G; q0 += QMAX) {
+        const int M = (int)min64(QMAX, n * G - q0);
+        int64_t visible[QMAX];
+        for (int q = 0; q < M; q++) {  /* query q0 + q: token (q0 + q) / G, head g * G + (q0 + q) % G */
+            const int64_t token = first + (q0 + q) / G, head = g * G + (q0 + q) % G;
+            memcpy(queries + q * D, s->qkv + token * qkv_n + head * D, D * sizeof(float));
+            visible[q] = batch->positions[token] + 1;
+        }
+        score(&k, table, bs, len, queries, M, D, m->scale, scores, ld);
+        softmax_rows(scores, ld, M, visible, len, vscale);
+        mix_values(&v, table, bs, len, scores, ld, M, D, out);
+        for (int q = 0; q < M; q++) {
+            const int64_t token = first + (q0 + q) / G, head = g * G + (q0 + q) % G;
+            memcpy(s->attn + token * Hq * D + head * D, out + q * D, D * sizeof(float));
+        }
+    }
+}
+
 /* Every thread norms the rows itself into its own buffer: a few thousand flops instead of a barrier. */
-static float *norm_rows(const Model *m, const float *w, int64_t B, const Scratch *s, const Team *t) {
-    float *h = s->h + t->tid * B * m->hidden;
-    for (int64_t b = 0; b < B; b++) rms_norm(s->x + b * m->hidden, w, m->hidden, m->eps, h + b * m->hidden);
+static float *norm_rows(const Model *m, const float *w, int64_t T, const Scratch *s, const Team *t) {
+    float *h = s->h + t->tid * T * m->hidden;
+    for (int64_t i = 0; i < T; i++) rms_norm(s->x + i * m->hidden, w, m->hidden, m->eps, h + i * m->hidden);
     return h;
 }
 
-static void attention_block(const Model *m, const Layer *l, int64_t B, const int64_t *positions,
-                            const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                            const Scratch *s, int64_t max_len, const Team *team) {
-    const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, qkv_n = l->qkv.out;
-    int64_t lo, hi;
-    linear(team, &l->qkv, norm_rows(m, l->input_norm, B, s, team), B, s->qkv, 0);
-    sync_team(team);
-    /* q/k norm and rotary per (sequence, head), then the new K/V into the pool */
-    share(team, B, &lo, &hi);
-    for (int64_t b = lo; b < hi; b++) {
-        float *q = s->qkv + b * qkv_n, *k = q + Hq * D, *v = k + Hkv * D;
-        const float *cos = m->cos + positions[b] * D, *ssin = m->signed_sin + positions[b] * D;
-        for (int64_t h = 0; h < Hq + Hkv; h++) {
-            float *head = q + h * D;  /* q heads then k heads, side by side */
-            if (l->q_norm) rms_norm(head, h < Hq ? l->q_norm : l->k_norm, D, m->eps, head);
-            rotate(head, cos, ssin, D);
+/* q/k norm and rotary of token i, and its K/V into the pool. */
+static void place_token(const Model *m, const Layer *l, const Batch *batch, int64_t b, int64_t i, const Scratch *s) {
+    const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, pos = batch->positions[i];
+    float *q = s->qkv + i * l->qkv.out, *k = q + Hq * D, *v = k + Hkv * D;
+    const float *cos = m->cos + pos * D, *ssin = m->signed_sin + pos * D;
+    for (int64_t h = 0; h < Hq + Hkv; h++) {
+        float *head = q + h * D;  /* q heads then k heads, side by side */
+        if (l->q_norm) rms_norm(head, h < Hq ? l->q_norm : l->k_norm, D, m->eps, head);
+        rotate(head, cos, ssin, D);
+    }
+    const int64_t slot = slot_of(batch->tables + b * batch->table_stride, pos, m->block_size);
+    if (l->k_scales) {
+        for (int64_t g = 0; g < Hkv; g++) {
+            quantize_head(k + g * D, D, (int8_t *)l->k_cache + (slot * Hkv + g) * D, l->k_scales + slot * Hkv + g);
+            quantize_head(v + g * D, D, (int8_t *)l->v_cache + (slot * Hkv + g) * D, l->v_scales + slot * Hkv + g);
         }
-        const int64_t slot = slot_of(tables + b * table_stride, positions[b], m->block_size);
-        memcpy(l->k_cache + slot * Hkv * D, k, Hkv * D * sizeof(float));
-        memcpy(l->v_cache + slot * Hkv * D, v, Hkv * D * sizeof(float));
+    } else {
+        memcpy((float *)l->k_cache + slot * Hkv * D, k, Hkv * D * sizeof(float));
+        memcpy((float *)l->v_cache + slot * Hkv * D, v, Hkv * D * sizeof(float));
     }
+}
+
+static void attention_block(const Model *m, const Layer *l, const Batch *batch, const Scratch *s, const Team *team) {
+    const int64_t T = batch->T, Hkv = m->num_kv_heads;
+    int64_t lo, hi;
+    linear(team, &l->qkv, norm_rows(m, l->input_norm, T, s, team), T, s->qkv, 0);
     sync_team(team);
-    share(team, B * Hkv, &lo, &hi);
-    for (int64_t i = lo; i < hi; i++) {
-        const int64_t b = i / Hkv, g = i % Hkv;
-        attend(m, l, s->qkv + b * qkv_n, tables + b * table_stride, seq_lens[b], g, s->attn + b * Hq * D,
-               s->scores + team->tid * max_len);
-    }
+    share(team, batch->B, &lo, &hi);
+    for (int64_t b = lo; b < hi; b++)
+        for (int64_t i = batch->cu_q[b]; i < batch->cu_q[b + 1]; i++) place_token(m, l, batch, b, i, s);
     sync_team(team);
-    linear(team, &l->o, s->attn, B, s->x, 1);
+    /* tasks claimed one at a time: their contexts differ in length */
+    while (claim_n(team, batch->B * Hkv, 1, &lo, &hi)) attend(m, l, batch, lo / Hkv, lo % Hkv, s, team);
+    sync_team(team);
+    linear(team, &l->o, s->attn, T, s->x, 1);
     sync_team(team);
 }
 
-static void mlp_block(const Model *m, const Layer *l, int64_t B, const Scratch *s, const Team *team) {
-    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, B, s, team), B, s->act);
+static void mlp_block(const Model *m, const Layer *l, int64_t T, const Scratch *s, const Team *team) {
+    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, T, s, team), T, s->act);
     sync_team(team);
-    linear(team, &l->down, s->act, B, s->x, 1);
+    linear(team, &l->down, s->act, T, s->x, 1);
     sync_team(team);
 }
 
-/* Logits [B, vocab] of one decode step. Returns 0, or -1 when scratch memory could not be had. */
-API int pc_decode_step(const Model *m, int64_t B, const int64_t *ids, const int64_t *positions,
-                       const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *logits,
-                       int num_threads) {
-    const int64_t H = m->hidden, qkv_n = m->layers[0].qkv.out, I = m->layers[0].down.in;
+/* Logits [T, vocab] of one step: T tokens of B sequences (sequence b's are cu_q[b] .. cu_q[b + 1] - 1, at
+ * consecutive positions ending at its last). Returns 0, or -1 when scratch memory could not be had. */
+API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *positions, int64_t B,
+                const int32_t *cu_q, const int32_t *tables, int64_t table_stride, float *logits, int num_threads) {
+    const int64_t H = m->hidden, D = m->head_dim, qkv_n = m->layers[0].qkv.out, I = m->layers[0].down.in;
     int64_t max_len = 1;
-    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    for (int64_t i = 0; i < T; i++) max_len = positions[i] + 1 > max_len ? positions[i] + 1 : max_len;
+    max_len = (max_len + 15) / 16 * 16;  /* scores rows start on a cache line */
     if (num_threads < 1) num_threads = 1;
-    const int64_t sizes[] = {B * H, B * qkv_n, B * m->num_heads * m->head_dim, B * I, num_threads * B * H,
-                             num_threads * max_len};
+    const int64_t work = 2 * QMAX * D + QMAX * max_len + max_len;
+    const int64_t sizes[] = {T * H, T * qkv_n, T * m->num_heads * D, T * I, num_threads * T * H, num_threads * work};
     int64_t total = 0;
     for (int i = 0; i < 6; i++) total += (sizes[i] + 15) / 16 * 16;
     float *mem = aligned_alloc(64, total * sizeof(float));
@@ -591,20 +815,26 @@ API int pc_decode_step(const Model *m, int64_t B, const int64_t *ids, const int6
         parts[i] = p;
         p += (sizes[i] + 15) / 16 * 16;
     }
-    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]};
-    for (int64_t b = 0; b < B; b++) memcpy(s.x + b * H, m->embed + ids[b] * H, H * sizeof(float));
+    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], work};
+    const Batch batch = {T, B, table_stride, max_len, ids, positions, cu_q, tables};
+    for (int64_t i = 0; i < T; i++) memcpy(s.x + i * H, m->embed + ids[i] * H, H * sizeof(float));
     Barrier barrier = {0, 0, 0, 0};
 #pragma omp parallel num_threads(num_threads)
     {
         const Team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
         for (int64_t i = 0; i < m->num_layers; i++) {
-            attention_block(m, &m->layers[i], B, positions, tables, table_stride, seq_lens, &s, max_len, &team);
-            mlp_block(m, &m->layers[i], B, &s, &team);
+            attention_block(m, &m->layers[i], &batch, &s, &team);
+            mlp_block(m, &m->layers[i], T, &s, &team);
         }
-        linear(&team, &m->lm_head, norm_rows(m, m->norm, B, &s, &team), B, logits, 0);
+        linear(&team, &m->lm_head, norm_rows(m, m->norm, T, &s, &team), T, logits, 0);
     }
     free(mem);
     return 0;
+}
+
+/* quantize_head over `heads` rows of D: the tests hold it to kernels/kv_quant.py bit for bit. */
+API void pc_quantize_heads(const float *x, int64_t heads, int64_t D, int8_t *q, uint16_t *scales) {
+    for (int64_t h = 0; h < heads; h++) quantize_head(x + h * D, D, q + h * D, scales + h);
 }
 
 /* The struct sizes the Python side checks its ctypes mirrors against. */

@@ -187,8 +187,8 @@ class ModelRunner:
         (1 + len(draft_ids) rows for a sequence with drafts, in batch order)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
-        if self._native_fits(batch, meta, sample_rows):
-            return self.native.step(ids, positions, meta.block_tables, meta.seq_lens), samplers
+        if self._native_fits(batch, ids, meta, sample_rows):
+            return self.native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q), samplers
         if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
@@ -209,13 +209,16 @@ class ModelRunner:
         self.native = NativeDecode.bind(self.model, self.k_caches, self.v_caches, self.block_size)
         self._native_next_try = now + NATIVE_RETRY_S if self.native is None and build.building() else None
 
-    def _native_fits(self, batch: ScheduledBatch, meta: AttentionMetadata, sample_rows: list[int]) -> bool:
-        """A plain decode step the native step can run whole: every sequence samples its one new token, no
-        prompt is scored or pooled (they need the hidden states), and the attention layers are still on the
-        torch twins (tests put them on the Triton kernels to run those end to end)."""
-        if self.native is None and meta.is_decode:
+    def _native_fits(self, batch: ScheduledBatch, ids: torch.Tensor, meta: AttentionMetadata,
+                     sample_rows: list[int]) -> bool:
+        """A step the native step can run whole: every scheduled token is sampled (decode steps, beams, the
+        verify steps of speculative decoding), no prompt is scored or pooled (they need the hidden states),
+        and the attention layers are still on the torch twins (tests put them on the Triton kernels to run
+        those end to end)."""
+        every_row = len(sample_rows) == ids.shape[0]
+        if self.native is None and every_row:
             self._bind_native()
-        return self.native is not None and meta.is_decode and len(sample_rows) == len(batch.items) \
+        return self.native is not None and every_row \
             and all(seq.request.params.prompt_logprobs is None and not seq.request.params.embed
                     for seq, _ in batch.items) \
             and all(layer.backend == "torch" for layer in self.attention_layers)
