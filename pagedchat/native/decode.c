@@ -103,6 +103,24 @@ typedef struct {
 #if TILE_R < 1 || TILE_R > 8 || MAX_NB < 1 || MAX_NB > 8
 #error "tile shapes run from 1 to 8 rows and sequences"
 #endif
+/* One sequence alone (batch-1 decode) streams the weights once: ROWS_1 rows a tile keep that many multiply-add
+ * chains in flight. Software prefetch (PC_FETCH) helps the AVX-512 machine it was measured on and hurts Zen 3,
+ * whose hardware prefetchers keep up with 8 rows: one thread streaming a 64 MB layer there (best of 40, a
+ * shared machine) reached 16-17.6 GB/s with 8 rows and no prefetch, 13.6-15.6 with 4 rows and none,
+ * 9.4-12 with 4 rows and prefetch (the former shape). */
+#if !defined(PC_ROWS_1) && VW == 16
+#define PC_ROWS_1 TILE_R
+#elif !defined(PC_ROWS_1)
+#define PC_ROWS_1 8
+#endif
+#if !defined(PC_FETCH)
+#define PC_FETCH (VW == 16)
+#endif
+#define ROWS_1 PC_ROWS_1
+#define ROWS_MAX (ROWS_1 > TILE_R ? ROWS_1 : TILE_R)
+#if ROWS_1 < 1 || ROWS_1 > 8
+#error "tile shapes run from 1 to 8 rows"
+#endif
 /* The intrinsics below are taken only where the vector width is the register's. */
 #if defined(__AVX512F__) && VW == 16
 #define X86_512 1
@@ -219,8 +237,8 @@ INLINE float hsum(vf v) {  /* the same tree as hsum4's, lane for lane */
 
 /* acc[r * MAX_NB + b] = the sum of a[r][b]'s lanes, four accumulators to a shuffle tree (rows and sequences
  * taken in order: a 4 x 3 tile is three trees). */
-INLINE void reduce_tile(vf a[TILE_R][MAX_NB], int R, int NB, float *acc) {
-    if (R > TILE_R || NB > MAX_NB) __builtin_unreachable();
+INLINE void reduce_tile(vf a[ROWS_MAX][MAX_NB], int R, int NB, float *acc) {
+    if (R > ROWS_MAX || NB > MAX_NB) __builtin_unreachable();
     int k = 0;
     for (; k + 4 <= R * NB; k += 4) {
         const v4 sums = hsum4(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
@@ -237,7 +255,7 @@ INLINE void reduce_tile(vf a[TILE_R][MAX_NB], int R, int NB, float *acc) {
 #define TILE(NAME, WTYPE, LOAD, SCALAR)                                                                      \
     INLINE void NAME(const WTYPE *w, const float *x, int64_t in, int64_t rstride, int64_t xstride, int R,    \
                      int NB, int fetch, float *acc) {                                                       \
-        vf a[TILE_R][MAX_NB];                                                                               \
+        vf a[ROWS_MAX][MAX_NB];                                                                             \
         for (int r = 0; r < R; r++)                                                                         \
             for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                 \
         int64_t i = 0;                                                                                      \
@@ -245,7 +263,7 @@ INLINE void reduce_tile(vf a[TILE_R][MAX_NB], int R, int NB, float *acc) {
          * later sequences find them in cache). The far fetch keeps more of the stream in flight: the       \
          * matrix-vector pass over the small llama's weights, 8 alternations, 7.2-8.7 ms against 8.2-10.0. */ \
         const char *next = (const char *)(w + R * in), *far = (const char *)(w + 4 * R * in);             \
-        const int lines = fetch ? (R * (int)sizeof(WTYPE) * VW + 63) / 64 : 0;                                     \
+        const int lines = fetch && PC_FETCH ? (R * (int)sizeof(WTYPE) * VW + 63) / 64 : 0;                  \
         for (; i + VW <= in; i += VW) {                                                                     \
             for (int c = 0; c < lines; c++) {                                                               \
                 __builtin_prefetch(next + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 3);                 \
@@ -347,11 +365,13 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
 }
 
 /* The specialisations the inliner keeps apart: TILE_R rows x 1..MAX_NB sequences (a case above MAX_NB is
- * never taken); a tail of rows goes generic. */
+ * never taken) and ROWS_1 rows x 1 sequence; a tail of rows goes generic. */
 #define NB_CASE(FN, W, K)                                                                                    \
     case K: FN(W, x, in, rstride, xstride, TILE_R, (K) <= MAX_NB ? (K) : MAX_NB, fetch, acc); break;
 #define DISPATCH(FN, W)                                                                                      \
-    switch (R == TILE_R ? NB : 0) {                                                                         \
+    if (R == ROWS_1 && NB == 1 && ROWS_1 != TILE_R)                                                         \
+        FN(W, x, in, rstride, xstride, ROWS_1, 1, fetch, acc);                                              \
+    else switch (R == TILE_R ? NB : 0) {                                                                    \
         NB_CASE(FN, W, 1) NB_CASE(FN, W, 2) NB_CASE(FN, W, 3) NB_CASE(FN, W, 4)                             \
         NB_CASE(FN, W, 5) NB_CASE(FN, W, 6) NB_CASE(FN, W, 7) NB_CASE(FN, W, 8)                             \
         default: FN(W, x, in, rstride, xstride, R, NB, fetch, acc); break;                                  \
@@ -391,14 +411,15 @@ INLINE int claim(const Team *t, int64_t tiles, int64_t *lo, int64_t *hi) { retur
 /* y [B, out] = x [B, in] @ w.T (+ bias), or y += that (the residual stream) when accumulate; the tiles this
  * thread claims. */
 static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate) {
+    const int rows = B == 1 ? ROWS_1 : TILE_R;
     int64_t lo, hi;
-    while (claim(team, (l->out + TILE_R - 1) / TILE_R, &lo, &hi)) {
+    while (claim(team, (l->out + rows - 1) / rows, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
-            const int64_t r0 = t * TILE_R;
-            const int R = l->out - r0 < TILE_R ? (int)(l->out - r0) : TILE_R;
+            const int64_t r0 = t * rows;
+            const int R = l->out - r0 < rows ? (int)(l->out - r0) : rows;
             for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
                 const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
-                float acc[TILE_R * MAX_NB];
+                float acc[ROWS_MAX * MAX_NB];
                 tile(l, r0, R, x, b0, NB, acc);
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
@@ -414,14 +435,15 @@ static void linear(const Team *team, const Linear *l, const float *x, int64_t B,
  * and the matching up rows of a tile together, so the activation needs no second pass. */
 static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act) {
     const int64_t I = l->out / 2;
+    const int rows = B == 1 ? ROWS_1 : TILE_R;
     int64_t lo, hi;
-    while (claim(team, (I + TILE_R - 1) / TILE_R, &lo, &hi)) {
+    while (claim(team, (I + rows - 1) / rows, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
-            const int64_t r0 = t * TILE_R;
-            const int R = I - r0 < TILE_R ? (int)(I - r0) : TILE_R;
+            const int64_t r0 = t * rows;
+            const int R = I - r0 < rows ? (int)(I - r0) : rows;
             for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
                 const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
-                float gate[TILE_R * MAX_NB], up[TILE_R * MAX_NB];
+                float gate[ROWS_MAX * MAX_NB], up[ROWS_MAX * MAX_NB];
                 tile(l, r0, R, x, b0, NB, gate);
                 tile(l, I + r0, R, x, b0, NB, up);
                 for (int r = 0; r < R; r++)
@@ -592,7 +614,7 @@ static void score(const Pool *k, const int32_t *table, int64_t bs, int64_t len, 
             for (int b0 = 0; b0 < M; b0 += MAX_NB) {
                 const int NB = M - b0 < MAX_NB ? M - b0 : MAX_NB;
                 const float *x = queries + b0 * D;
-                float acc[TILE_R * MAX_NB];
+                float acc[ROWS_MAX * MAX_NB];
                 if (k->scales) {
                     const int8_t *w = (const int8_t *)k->base + (slot0 + j) * rstride;
                     DISPATCH(tile_i8, w)
@@ -842,5 +864,5 @@ API int64_t pc_sizeof_model(void) { return sizeof(Model); }
 API int64_t pc_sizeof_layer(void) { return sizeof(Layer); }
 /* What this build was compiled for: the vector ISA and the linear layers' tile shape. */
 API const char *pc_build_info(void) {
-    return ISA_NAME " vw=" STR(VW) " tile=" STR(TILE_R) "x" STR(MAX_NB);
+    return ISA_NAME " vw=" STR(VW) " tile=" STR(TILE_R) "x" STR(MAX_NB) " rows1=" STR(ROWS_1);
 }
