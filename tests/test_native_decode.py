@@ -96,12 +96,42 @@ def both_steps(runner, lens: list[int], seed: int, threads: int = 1, new: list[i
     return expected, got, torch_wrote, new_slots()
 
 
-def fp32_reference_int8(model) -> None:
-    """int8 layers through the dequantized fp32 matmul: the native step's arithmetic (int8 weight times fp32
-    activation, scaled after), where the packed torch kernel rounds activations to bf16."""
+def int8_blocks_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """An int8 layer as the native step computes it: the input quantized per block of 32 (scale max|x| / 127,
+    round half to even), each block's dot product with the int8 weight exact, scaled by the block's scale,
+    summed over blocks, then the row's scale and the bias."""
+    rows = x.reshape(-1, self.in_features).float()
+    blocks = rows.view(rows.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    q = (blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).round()
+    weight = self.weight.view(self.out_features, -1, 32).double()
+    dots = torch.einsum("nkj,okj->nok", q.double(), weight)  # exact: integers
+    out = (dots * (amax / 127).double().squeeze(-1)[:, None, :]).sum(-1).float() * self.scales
+    out = out.view(*x.shape[:-1], self.out_features)
+    return out if self.bias is None else out + self.bias
+
+
+def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, int8: bool = False, tol: float = 1e-4) -> None:
+    """Logits (or any per-token rows: the K/V a step wrote) equal up to summation order. With int8 layers, the two sides quantize activations computed in
+    another summation order: a value within float rounding of a half step rounds one way here and the other
+    there (about 1 in 10^4 values), which moves that row's logits by up to a few tenths on these tiny models
+    (their weights are large). So a step may hold one such row; the kernels themselves are held to 1e-5 on the
+    same input (test_each_weight_format_computes_torchs_product)."""
+    if not int8:
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+        return
+    got, expected = got.reshape(got.shape[0], -1), expected.reshape(expected.shape[0], -1)
+    off = ~torch.isclose(got, expected, rtol=tol, atol=tol).all(dim=-1)
+    assert int(off.sum()) <= 1 and (got - expected).abs().max() < 0.5, (off, (got - expected).abs().max())
+
+
+def native_int8_arithmetic(model) -> None:
+    """The torch path's int8 layers compute what the native step's do (int8_blocks_forward)."""
+    import types
+
     for module in model.modules():
-        if isinstance(module, Int8Linear):
-            module.packed = False
+        if isinstance(module, Int8Linear) and module.in_features % 32 == 0:
+            module.forward = types.MethodType(int8_blocks_forward, module)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -111,13 +141,13 @@ def test_native_step_computes_the_torch_step(model_dirs, arch, quantize, threads
     engine = engine_for(model_dirs[arch][0], quantize=quantize)
     runner = engine.runner
     assert runner.native is not None, f"{arch} should bind the native step"
-    fp32_reference_int8(runner.model)
+    native_int8_arithmetic(runner.model)
     for seed, lens in enumerate([[1], [37], [5, 17, 2, 30, 9], [8] * 6]):
         expected, got, torch_wrote, native_wrote = both_steps(runner, lens, seed, threads)
         assert torch.isfinite(got).all()
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert_logits_close(got, expected, int8=quantize == "int8")
         for wrote, want in zip(native_wrote, torch_wrote):
-            torch.testing.assert_close(wrote, want, rtol=1e-5, atol=1e-5)
+            assert_logits_close(wrote, want, int8=quantize == "int8", tol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -161,10 +191,10 @@ def test_any_batch_of_decode_steps_equals_the_torch_step(property_engines, lens,
     """Random batch sizes, context lengths (within a block, across blocks, ending mid-block), block orders, and
     tokens per sequence (1: decode; more: a verify step)."""
     runner = property_engines[which].runner
-    fp32_reference_int8(runner.model)
+    native_int8_arithmetic(runner.model)
     new = [data.draw(st.integers(1, min(n, 9))) for n in lens] if data.draw(st.booleans()) else None
     expected, got, _, _ = both_steps(runner, lens, seed, threads, new)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert_logits_close(got, expected, int8=which[1] == "int8")
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -178,6 +208,32 @@ def test_native_verify_step_computes_the_torch_step(model_dirs, arch, threads):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         for wrote, want in zip(native_wrote, torch_wrote):
             torch.testing.assert_close(wrote, want, rtol=1e-5, atol=1e-5)
+
+
+def check_linear_formats(lib=None) -> None:
+    """Every weight format's tiles against torch on the same input: row counts that leave a tail, batch sizes
+    that fill tiles and leave partial ones, an input size that is not a multiple of the int8 block (its layer
+    keeps fp32 activations)."""
+    from torch import nn
+
+    from pagedchat.native.step import run_linear
+
+    g = torch.Generator().manual_seed(0)
+    for rows, in_features in ((37, 64), (8, 96), (70, 100)):
+        linear = nn.Linear(in_features, rows)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(rows, in_features, generator=g))
+            linear.bias.copy_(torch.randn(rows, generator=g))
+        int8 = Int8Linear(linear)
+        for batch in (1, 2, 3, 5, 9):
+            x = torch.randn(batch, in_features, generator=g)
+            torch.testing.assert_close(run_linear(linear, x, lib), linear(x), rtol=1e-5, atol=1e-5)
+            want = int8_blocks_forward(int8, x) if in_features % 32 == 0 else int8.dequantized_matmul(x) + int8.bias
+            torch.testing.assert_close(run_linear(int8, x, lib), want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_weight_format_computes_torchs_product():
+    check_linear_formats()
 
 
 # -- an int8 pool (kernels/kv_quant.py): K/V int8 with one float16 scale per (slot, kv head) -------------------
@@ -350,12 +406,13 @@ def test_every_tile_shape_computes_the_torch_step(model_dirs, built_with, cflags
     assert info in built_with(cflags)
     engine = engine_for(model_dirs["qwen3"][0], quantize="int8")
     runner = engine.runner
-    fp32_reference_int8(runner.model)
+    native_int8_arithmetic(runner.model)
     for seed, lens in enumerate([[1], [5, 17, 2, 30, 9, 3, 11], [8] * 4]):
         expected, got, _, _ = both_steps(runner, lens, seed)
-        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        assert_logits_close(got, expected, int8=True)
     expected, got, _, _ = both_steps(runner, [20, 7, 33], 5, new=[3, 1, 8])
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    assert_logits_close(got, expected, int8=True)
+    check_linear_formats(build.load())
     check_int8_pool_step(engine_for(model_dirs["qwen2"][0]).runner, [13, 30, 9], [4, 1, 6])
     from pagedchat.kernels.kv_quant import quantize_kv
 

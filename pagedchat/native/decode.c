@@ -178,17 +178,8 @@ INLINE v8 halves16(vf v) {  /* the two 8-float halves added */
 }
 #endif
 
-/* The sums of p0..p3, in one vector. A batch's tiles end in 16 sums each; reducing them one by one, a
- * batch-16 step of the small llama took 25-26 ms on AVX-512, with this 21 ms. */
-INLINE v4 hsum4(vf p0, vf p1, vf p2, vf p3) {
-#if VW == 4
-    return sums4_of4(p0, p1, p2, p3);
-#else
-#if VW == 16
-    const v8 q0 = halves16(p0), q1 = halves16(p1), q2 = halves16(p2), q3 = halves16(p3);
-#else
-    const v8 q0 = p0, q1 = p1, q2 = p2, q3 = p3;
-#endif
+/* v4 of the sums of four 8-float vectors. */
+INLINE v4 sums4_of8(v8 q0, v8 q1, v8 q2, v8 q3) {
     const v8 t01 = SHUFFLE(q0, q1, v8i, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q0, q1, v8i, 4, 5, 6, 7, 12, 13, 14, 15);
     const v8 t23 = SHUFFLE(q2, q3, v8i, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q2, q3, v8i, 4, 5, 6, 7, 12, 13, 14, 15);
     /* t01: 4 partial sums of q0, then 4 of q1; t23 likewise */
@@ -199,6 +190,17 @@ INLINE v4 hsum4(vf p0, vf p1, vf p2, vf p3) {
     memcpy(&a, &w, 16);
     memcpy(&b, (const char *)&w + 16, 16);
     return a + b;
+}
+
+/* The sums of p0..p3, in one vector. A batch's tiles end in 16 sums each; reducing them one by one, a
+ * batch-16 step of the small llama took 25-26 ms on AVX-512, with this 21 ms. */
+INLINE v4 hsum4(vf p0, vf p1, vf p2, vf p3) {
+#if VW == 4
+    return sums4_of4(p0, p1, p2, p3);
+#elif VW == 16
+    return sums4_of8(halves16(p0), halves16(p1), halves16(p2), halves16(p3));
+#else
+    return sums4_of8(p0, p1, p2, p3);
 #endif
 }
 
@@ -240,6 +242,7 @@ INLINE float hsum(vf v) {  /* the same tree as hsum4's, lane for lane */
 INLINE void reduce_tile(vf a[ROWS_MAX][MAX_NB], int R, int NB, float *acc) {
     if (R > ROWS_MAX || NB > MAX_NB) __builtin_unreachable();
     int k = 0;
+#pragma GCC unroll 12
     for (; k + 4 <= R * NB; k += 4) {
         const v4 sums = hsum4(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
                               a[(k + 3) / NB][(k + 3) % NB]);
@@ -289,6 +292,150 @@ INLINE void reduce_tile(vf a[ROWS_MAX][MAX_NB], int R, int NB, float *acc) {
 #define INT8_TO_FLOAT(v) ((float)(v))
 TILE(tile_f32, float, loadv, AS_FLOAT)
 TILE(tile_i8, int8_t, loadq, INT8_TO_FLOAT)
+
+/* ---- int8 weights: integer dot products -----------------------------------------------------------------
+ * An int8 layer's input is quantized too, per block of 32 values of a row: d = max|x| / 127, q = round(x / d)
+ * (ties to even). A block's dot product with a weight row is then exact in int32, scaled by d, summed in fp32
+ * over the blocks, and the row's scale applied at the end: what llama.cpp does for Q8_0 weights against its
+ * Q8 activations (there the weights' scales are per block too; here per row, so they wait for the end). On
+ * x86 with AVX2 a block pair is sign-fixed bytes (|x|, w * sign(x)) through maddubs and madd (or one VNNI
+ * dpbusd): 32 multiply-adds in 4-5 instructions, on a quarter of fp32's weight bytes. Without AVX2 the same
+ * arithmetic runs in plain C. The numbers change against the fp32-activation product: a block's values move
+ * by up to half a step (d / 2) each; tests/test_native_decode.py holds the step to a torch emulation of this
+ * arithmetic and reports its distance from the fp32-activation int8 path and from fp32. */
+#define QBLOCK 32
+#if defined(__AVX2__) && !defined(PC_ISA_GENERIC)
+#define Q8_SIMD 1
+#else
+#define Q8_SIMD 0
+#endif
+#if !defined(PC_Q8_R) && VW == 16
+#define PC_Q8_R 4
+#define PC_Q8_NB 4  /* 16 accumulators + 4 inputs + a few temporaries of 32 registers */
+#elif !defined(PC_Q8_R)
+#define PC_Q8_R 4
+#define PC_Q8_NB 2  /* 8 accumulators + 2 inputs + weight, sign-fixed weight, product, ones: 14 of 16 */
+#endif
+#if !defined(PC_Q8_ROWS_1)
+#define PC_Q8_ROWS_1 8
+#endif
+#define Q8_R PC_Q8_R
+#define Q8_NB PC_Q8_NB
+#define Q8_ROWS_1 PC_Q8_ROWS_1
+#define Q8_ROWS_MAX (Q8_ROWS_1 > Q8_R ? Q8_ROWS_1 : Q8_R)
+#define ACC_ROWS 8  /* rows of a tile's results, whatever its shape */
+#if Q8_NB > MAX_NB || Q8_ROWS_MAX > ACC_ROWS || ROWS_MAX > ACC_ROWS
+#error "an int8 tile must fit the results of a float tile"
+#endif
+
+/* An input to a linear layer: the rows x [B, in], and (for int8 layers) their int8 blocks, scales and sums. */
+typedef struct {
+    const float *x;
+    const int8_t *q;     /* [B, in] */
+    const float *d;      /* [B, in / QBLOCK] */
+    const int32_t *sum;  /* [B, in / QBLOCK]: the sum of a block's q */
+} Input;
+
+static void quantize_blocks(const float *x, int64_t n_blocks, int8_t *q, float *d, int32_t *sum) {
+    for (int64_t i = 0; i < n_blocks; i++) {
+        const float *v = x + i * QBLOCK;
+        float amax = 0.f;
+        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t total = 0;
+        for (int j = 0; j < QBLOCK; j++) {
+            const int8_t value = (int8_t)rintf(v[j] * inv);
+            q[i * QBLOCK + j] = value;
+            total += value;
+        }
+        d[i] = amax / 127.f;
+        sum[i] = total;
+    }
+}
+
+#if Q8_SIMD
+/* 8 int32 partial sums of |a| * b for 32 unsigned and 32 signed bytes (|a| <= 127: no int16 saturation) */
+INLINE __m256i dot_u8i8(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+#define PIN256(v) __asm__("" : "+x"(v))
+
+/* acc[r * MAX_NB + b] = sum over blocks of d[b, block] * (q[b, block] . w[r, block]), R rows (in apart), NB
+ * inputs; R and NB constant after inlining. */
+INLINE void tile_q8(const int8_t *w, const Input *in_, int64_t b0, int64_t in, int R, int NB, float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    const int8_t *q = in_->q + b0 * in;
+    const float *d = in_->d + b0 * blocks;
+    v8 a[Q8_ROWS_MAX][Q8_NB];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) a[r][b] = (v8){0};
+    for (int64_t k = 0; k < blocks; k++) {
+        __m256i xabs[Q8_NB];
+        for (int b = 0; b < NB; b++) {
+            xabs[b] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(q + b * in + k * QBLOCK)));
+            PIN256(xabs[b]);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * in + k * QBLOCK));
+            for (int b = 0; b < NB; b++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * in + k * QBLOCK));
+                const __m256i p = dot_u8i8(xabs[b], _mm256_sign_epi8(wv, xv));
+                a[r][b] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(d + b * blocks + k),
+                                              (__m256)a[r][b]);
+            }
+        }
+    }
+    if (R > Q8_ROWS_MAX || NB > Q8_NB) __builtin_unreachable();
+    int k = 0;
+#pragma GCC unroll 8
+    for (; k + 4 <= R * NB; k += 4) {  /* (unrolled: an index left to run time keeps the tile in memory) */
+        const v4 sums = sums4_of8(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
+                                  a[(k + 3) / NB][(k + 3) % NB]);
+        for (int j = 0; j < 4; j++) acc[(k + j) / NB * MAX_NB + (k + j) % NB] = sums[j];
+    }
+    for (int left = 3; left > 0 && k < R * NB; left--, k++) {
+        v4 lo, hi;
+        memcpy(&lo, &a[k / NB][k % NB], 16);
+        memcpy(&hi, (const char *)&a[k / NB][k % NB] + 16, 16);
+        lo += hi;
+        acc[k / NB * MAX_NB + k % NB] = (lo[0] + lo[2]) + (lo[1] + lo[3]);
+    }
+}
+
+#define Q8_CASE(K) case K: tile_q8(w, x, b0, in, Q8_R, (K) <= Q8_NB ? (K) : Q8_NB, acc); break;
+INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
+    if (R == Q8_ROWS_1 && NB == 1 && Q8_ROWS_1 != Q8_R) {
+        tile_q8(w, x, b0, in, Q8_ROWS_1, 1, acc);
+        return;
+    }
+    switch (R == Q8_R ? NB : 0) {
+        Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4)
+        default: tile_q8(w, x, b0, in, R, NB, acc); break;
+    }
+}
+#else
+INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) {
+            const int8_t *q = x->q + (b0 + b) * in, *wr = w + r * in;
+            float total = 0.f;
+            for (int64_t k = 0; k < blocks; k++) {
+                int32_t dot = 0;
+                for (int j = 0; j < QBLOCK; j++) dot += (int32_t)q[k * QBLOCK + j] * wr[k * QBLOCK + j];
+                total += (float)dot * x->d[(b0 + b) * blocks + k];
+            }
+            acc[r * MAX_NB + b] = total;
+        }
+}
+#endif
 
 /* The threads of a step: who I am, and the barrier between phases that need each other's results.
  *
@@ -377,12 +524,28 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
         default: FN(W, x, in, rstride, xstride, R, NB, fetch, acc); break;                                  \
     }
 
-/* acc[r * MAX_NB + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of x_all [B, in]. */
-static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t b0, int NB, float *acc) {
+/* Whether layer l runs on integer dot products (its input quantized per block). */
+INLINE int integer_path(const Linear *l) { return l->format == FMT_I8 && l->in % QBLOCK == 0; }
+
+/* A linear layer's tile shape at batch B: rows a tile, most sequences a tile. */
+INLINE void tile_shape(const Linear *l, int64_t B, int *rows, int *seqs) {
+    if (integer_path(l)) {
+        *rows = B == 1 ? Q8_ROWS_1 : Q8_R;
+        *seqs = Q8_NB;
+    } else {
+        *rows = B == 1 ? ROWS_1 : TILE_R;
+        *seqs = MAX_NB;
+    }
+}
+
+/* acc[r * MAX_NB + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of the input. */
+static void tile(const Linear *l, int64_t r0, int R, const Input *input, int64_t b0, int NB, float *acc) {
     const int64_t in = l->in, rstride = in, xstride = in;
     const int fetch = b0 == 0;
-    const float *x = x_all + b0 * in;
-    if (l->format == FMT_I8) {
+    const float *x = input->x + b0 * in;
+    if (integer_path(l)) {
+        tile_q8_any((const int8_t *)l->weight + r0 * in, input, b0, in, R, NB, acc);
+    } else if (l->format == FMT_I8) {
         const int8_t *w = (const int8_t *)l->weight + r0 * in;
         DISPATCH(tile_i8, w)
     } else {
@@ -408,19 +571,39 @@ static int claim_n(const Team *t, int64_t tiles, int64_t grab, int64_t *lo, int6
 }
 INLINE int claim(const Team *t, int64_t tiles, int64_t *lo, int64_t *hi) { return claim_n(t, tiles, GRAB, lo, hi); }
 
+/* The input of layer l: the rows, and for an integer layer their blocks, quantized into this thread's buffers
+ * (each thread quantizes for itself: B x in values instead of a barrier). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *sum;
+} QuantBuffers;
+
+INLINE Input input_for(const Linear *l, const float *x, int64_t B, const QuantBuffers *buf) {
+    Input input = {x, NULL, NULL, NULL};
+    if (integer_path(l)) {
+        quantize_blocks(x, B * l->in / QBLOCK, buf->q, buf->d, buf->sum);
+        input.q = buf->q, input.d = buf->d, input.sum = buf->sum;
+    }
+    return input;
+}
+
 /* y [B, out] = x [B, in] @ w.T (+ bias), or y += that (the residual stream) when accumulate; the tiles this
  * thread claims. */
-static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate) {
-    const int rows = B == 1 ? ROWS_1 : TILE_R;
+static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate,
+                   const QuantBuffers *buf) {
+    const Input input = input_for(l, x, B, buf);
+    int rows, seqs;
+    tile_shape(l, B, &rows, &seqs);
     int64_t lo, hi;
     while (claim(team, (l->out + rows - 1) / rows, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
             const int64_t r0 = t * rows;
             const int R = l->out - r0 < rows ? (int)(l->out - r0) : rows;
-            for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
-                const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
-                float acc[ROWS_MAX * MAX_NB];
-                tile(l, r0, R, x, b0, NB, acc);
+            for (int64_t b0 = 0; b0 < B; b0 += seqs) {
+                const int NB = B - b0 < seqs ? (int)(B - b0) : seqs;
+                float acc[ACC_ROWS * MAX_NB];
+                tile(l, r0, R, &input, b0, NB, acc);
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
                         float *out = y + (b0 + b) * l->out + r0 + r;
@@ -433,19 +616,22 @@ static void linear(const Team *team, const Linear *l, const float *x, int64_t B,
 
 /* act [B, I] = silu(gate) * up, with gate and up the two halves of l's rows: a thread computes the gate rows
  * and the matching up rows of a tile together, so the activation needs no second pass. */
-static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act) {
+static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act,
+                         const QuantBuffers *buf) {
+    const Input input = input_for(l, x, B, buf);
     const int64_t I = l->out / 2;
-    const int rows = B == 1 ? ROWS_1 : TILE_R;
+    int rows, seqs;
+    tile_shape(l, B, &rows, &seqs);
     int64_t lo, hi;
     while (claim(team, (I + rows - 1) / rows, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
             const int64_t r0 = t * rows;
             const int R = I - r0 < rows ? (int)(I - r0) : rows;
-            for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
-                const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
-                float gate[ROWS_MAX * MAX_NB], up[ROWS_MAX * MAX_NB];
-                tile(l, r0, R, x, b0, NB, gate);
-                tile(l, I + r0, R, x, b0, NB, up);
+            for (int64_t b0 = 0; b0 < B; b0 += seqs) {
+                const int NB = B - b0 < seqs ? (int)(B - b0) : seqs;
+                float gate[ACC_ROWS * MAX_NB], up[ACC_ROWS * MAX_NB];
+                tile(l, r0, R, &input, b0, NB, gate);
+                tile(l, I + r0, R, &input, b0, NB, up);
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
                         const float g = gate[r * MAX_NB + b];
@@ -724,7 +910,17 @@ typedef struct {
     float *h;                     /* per thread: this thread's copy of the normed rows */
     float *work;                  /* per thread: attention's queries, scores, value scales and outputs */
     int64_t work_size;            /* floats of `work` per thread */
+    int8_t *q;                    /* per thread: an integer layer's input blocks (quant_size bytes), */
+    float *qd;                    /*   their scales and */
+    int32_t *qsum;                /*   their sums (quant_size / QBLOCK each) */
+    int64_t quant_size;
 } Scratch;
+
+INLINE QuantBuffers quant_of(const Scratch *s, const Team *t) {
+    const int64_t n = s->quant_size, blocks = n / QBLOCK;
+    const QuantBuffers buf = {s->q + t->tid * n, s->qd + t->tid * blocks, s->qsum + t->tid * blocks};
+    return buf;
+}
 
 /* What a step is: T tokens of B sequences, sequence b's tokens [cu_q[b], cu_q[b + 1]), each token's position;
  * sequence b's block table at tables + b * table_stride. */
@@ -797,7 +993,8 @@ static void place_token(const Model *m, const Layer *l, const Batch *batch, int6
 static void attention_block(const Model *m, const Layer *l, const Batch *batch, const Scratch *s, const Team *team) {
     const int64_t T = batch->T, Hkv = m->num_kv_heads;
     int64_t lo, hi;
-    linear(team, &l->qkv, norm_rows(m, l->input_norm, T, s, team), T, s->qkv, 0);
+    const QuantBuffers qb = quant_of(s, team);
+    linear(team, &l->qkv, norm_rows(m, l->input_norm, T, s, team), T, s->qkv, 0, &qb);
     sync_team(team);
     share(team, batch->B, &lo, &hi);
     for (int64_t b = lo; b < hi; b++)
@@ -806,14 +1003,15 @@ static void attention_block(const Model *m, const Layer *l, const Batch *batch, 
     /* tasks claimed one at a time: their contexts differ in length */
     while (claim_n(team, batch->B * Hkv, 1, &lo, &hi)) attend(m, l, batch, lo / Hkv, lo % Hkv, s, team);
     sync_team(team);
-    linear(team, &l->o, s->attn, T, s->x, 1);
+    linear(team, &l->o, s->attn, T, s->x, 1, &qb);
     sync_team(team);
 }
 
 static void mlp_block(const Model *m, const Layer *l, int64_t T, const Scratch *s, const Team *team) {
-    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, T, s, team), T, s->act);
+    const QuantBuffers qb = quant_of(s, team);
+    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, T, s, team), T, s->act, &qb);
     sync_team(team);
-    linear(team, &l->down, s->act, T, s->x, 1);
+    linear(team, &l->down, s->act, T, s->x, 1, &qb);
     sync_team(team);
 }
 
@@ -827,17 +1025,23 @@ API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *po
     max_len = (max_len + 15) / 16 * 16;  /* scores rows start on a cache line */
     if (num_threads < 1) num_threads = 1;
     const int64_t work = 2 * QMAX * D + QMAX * max_len + max_len;
-    const int64_t sizes[] = {T * H, T * qkv_n, T * m->num_heads * D, T * I, num_threads * T * H, num_threads * work};
+    int64_t max_in = H > I ? H : I;
+    max_in = m->num_heads * D > max_in ? m->num_heads * D : max_in;
+    const int64_t quant = (T * max_in + 63) / 64 * 64, blocks = quant / QBLOCK;
+    const int64_t sizes[] = {T * H, T * qkv_n, T * m->num_heads * D, T * I, num_threads * T * H, num_threads * work,
+                             num_threads * quant / 4, num_threads * blocks, num_threads * blocks};
+    enum { PARTS = sizeof sizes / sizeof sizes[0] };
     int64_t total = 0;
-    for (int i = 0; i < 6; i++) total += (sizes[i] + 15) / 16 * 16;
+    for (int i = 0; i < PARTS; i++) total += (sizes[i] + 15) / 16 * 16;
     float *mem = aligned_alloc(64, total * sizeof(float));
     if (!mem) return -1;
-    float *parts[6], *p = mem;
-    for (int i = 0; i < 6; i++) {
+    float *parts[PARTS], *p = mem;
+    for (int i = 0; i < PARTS; i++) {
         parts[i] = p;
         p += (sizes[i] + 15) / 16 * 16;
     }
-    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], work};
+    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], work,
+                       (int8_t *)parts[6], parts[7], (int32_t *)parts[8], quant};
     const Batch batch = {T, B, table_stride, max_len, ids, positions, cu_q, tables};
     for (int64_t i = 0; i < T; i++) memcpy(s.x + i * H, m->embed + ids[i] * H, H * sizeof(float));
     Barrier barrier = {0, 0, 0, 0};
@@ -848,10 +1052,30 @@ API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *po
             attention_block(m, &m->layers[i], &batch, &s, &team);
             mlp_block(m, &m->layers[i], T, &s, &team);
         }
-        linear(&team, &m->lm_head, norm_rows(m, m->norm, T, &s, &team), T, logits, 0);
+        const QuantBuffers qb = quant_of(&s, &team);
+        linear(&team, &m->lm_head, norm_rows(m, m->norm, T, &s, &team), T, logits, 0, &qb);
     }
     free(mem);
     return 0;
+}
+
+/* One linear layer on this thread: y [B, out] = x [B, in] @ weight.T (scaled, biased). The tests hold each
+ * weight format's tiles to torch with it, on the same input (a whole step's inputs differ by rounding). */
+API int pc_linear(const Linear *l, const float *x, int64_t B, float *y) {
+    const int64_t n = (B * l->in + 63) / 64 * 64;
+    int8_t *q = malloc(n);
+    float *d = malloc(n / QBLOCK * sizeof(float));
+    int32_t *sum = malloc(n / QBLOCK * sizeof(int32_t));
+    int rc = -1;
+    if (q && d && sum) {
+        const QuantBuffers buf = {q, d, sum};
+        Barrier barrier = {0, 0, 0, 0};
+        const Team team = {0, 1, &barrier};
+        linear(&team, l, x, B, y, 0, &buf);
+        rc = 0;
+    }
+    free(q), free(d), free(sum);
+    return rc;
 }
 
 /* quantize_head over `heads` rows of D: the tests hold it to kernels/kv_quant.py bit for bit. */

@@ -91,6 +91,20 @@ def _linear(module: nn.Module) -> _Linear | None:
     return _Linear(_addr(w), _addr(scales), _addr(bias), w.shape[0], w.shape[1], fmt)
 
 
+def run_linear(module: nn.Module, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """module(x) through decode.c's tiles on this thread (x [B, in] fp32): how the tests hold each weight
+    format's arithmetic to torch's on the same input."""
+    lib = lib or build.load(wait=True)
+    layer = _linear(module)
+    assert lib is not None and layer is not None, "no native library, or a layer it does not take"
+    x = x.float().contiguous()
+    y = torch.empty((x.shape[0], layer.out), dtype=torch.float32)
+    lib.pc_linear.argtypes = [POINTER(_Linear), _ptr, c_int64, _ptr]
+    if lib.pc_linear(ctypes.byref(layer), x.data_ptr(), x.shape[0], y.data_ptr()) != 0:
+        raise MemoryError("native linear: no memory for its scratch buffers")
+    return y
+
+
 HUGE_PAGE = 2 << 20
 
 
