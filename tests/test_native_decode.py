@@ -111,6 +111,58 @@ def int8_blocks_forward(self, x: torch.Tensor) -> torch.Tensor:
     return out if self.bias is None else out + self.bias
 
 
+class Int4Module(torch.nn.Module):
+    """A linear layer in pagedchat/model/int4.py's layout (packed, scales, bias) computing the dequantized
+    product: what the native step binds to by those tensors."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        from pagedchat.model.int4 import quantize_int4
+
+        super().__init__()
+        packed, scales = quantize_int4(linear.weight.detach())
+        self.register_buffer("packed", packed)
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedchat.model.int4 import dequantize_int4
+
+        out = x @ dequantize_int4(self.packed, self.scales).T
+        return out if self.bias is None else out + self.bias
+
+
+def int4_blocks_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """An int4 layer as the native step computes it: the input quantized per block of 32 as for int8, each
+    group's dot product with the int4 values exact, scaled by (group scale x block scale) in fp32, summed."""
+    from pagedchat.model.int4 import unpack_int4
+
+    rows = x.reshape(-1, self.in_features).float()
+    blocks = rows.view(rows.shape[0], -1, 32)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    q = (blocks * torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))).round()
+    weight = unpack_int4(self.packed).view(self.out_features, -1, 32).double()
+    dots = torch.einsum("nkj,okj->nok", q.double(), weight)
+    scale = self.scales.float()[None] * (amax / 127).squeeze(-1)[:, None, :]
+    out = (dots * scale.double()).sum(-1).float().view(*x.shape[:-1], self.out_features)
+    return out if self.bias is None else out + self.bias
+
+
+def int4_model(runner) -> None:
+    """Every linear layer of the runner's model as an Int4Module computing the native arithmetic; the native
+    step bound again to it."""
+    import types
+
+    from pagedchat.model.layers import linear_children
+    from pagedchat.native.step import NativeDecode
+
+    for module, name, child in linear_children(runner.model):
+        int4 = Int4Module(child)
+        int4.forward = types.MethodType(int4_blocks_forward, int4)
+        setattr(module, name, int4)
+    runner.native = NativeDecode.bind(runner.model, runner.k_caches, runner.v_caches, runner.block_size)
+
+
 def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, int8: bool = False, tol: float = 1e-4) -> None:
     """Logits (or any per-token rows: the K/V a step wrote) equal up to summation order. With int8 layers, the two sides quantize activations computed in
     another summation order: a value within float rounding of a half step rounds one way here and the other
@@ -230,10 +282,26 @@ def check_linear_formats(lib=None) -> None:
             torch.testing.assert_close(run_linear(linear, x, lib), linear(x), rtol=1e-5, atol=1e-5)
             want = int8_blocks_forward(int8, x) if in_features % 32 == 0 else int8.dequantized_matmul(x) + int8.bias
             torch.testing.assert_close(run_linear(int8, x, lib), want, rtol=1e-5, atol=1e-5)
+            if in_features % 32 == 0:
+                int4 = Int4Module(linear)
+                torch.testing.assert_close(run_linear(int4, x, lib), int4_blocks_forward(int4, x), rtol=1e-5, atol=1e-5)
 
 
 def test_each_weight_format_computes_torchs_product():
     check_linear_formats()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_step_with_int4_layers(model_dirs, arch, threads):
+    """int4 weights (pagedchat/model/int4.py), bound by their packed and scales tensors: decode and verify
+    steps against the torch path computing the same arithmetic."""
+    runner = engine_for(model_dirs[arch][0]).runner
+    int4_model(runner)
+    assert runner.native is not None
+    for seed, (lens, new) in enumerate([([1], None), ([5, 17, 2, 30, 9], None), ([20, 7, 33], [3, 1, 8])]):
+        expected, got, _, _ = both_steps(runner, lens, seed, threads, new)
+        assert_logits_close(got, expected, int8=True)
 
 
 # -- an int8 pool (kernels/kv_quant.py): K/V int8 with one float16 scale per (slot, kv head) -------------------

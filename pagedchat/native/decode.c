@@ -293,6 +293,53 @@ INLINE void reduce_tile(vf a[ROWS_MAX][MAX_NB], int R, int NB, float *acc) {
 TILE(tile_f32, float, loadv, AS_FLOAT)
 TILE(tile_i8, int8_t, loadq, INT8_TO_FLOAT)
 
+/* ---- float16: an int8 pool's scales, an int4 layer's --------------------------------------------------------
+ * Rounded to nearest, ties to even, as torch's .to(float16): F16C where the CPU has it, else the same rounding
+ * spelled out (the tests compare the two builds). */
+#if defined(__F16C__) && !defined(PC_ISA_GENERIC)
+INLINE uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
+INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff;
+    uint32_t mant = x & 0x7fffff;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    const int32_t e = (int32_t)exp - 112;  /* the float16 exponent field */
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00);
+    if (e <= 0) {  /* a float16 subnormal (or zero): mant * 2^(e - 14) units of 2^-24 */
+        if (e < -10) return (uint16_t)sign;
+        mant |= 0x800000;
+        const int shift = 14 - e;
+        uint32_t half = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t h = sign | ((uint32_t)e << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;  /* a carry moves into the exponent, as it should */
+    return (uint16_t)h;
+}
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t x;
+    float f;
+    if (e == 0) {
+        f = (float)mant * (1.f / 16777216.f);  /* exact: mant * 2^-24 */
+        memcpy(&x, &f, 4);
+        x |= sign;
+    } else if (e == 31) {
+        x = sign | 0x7f800000 | (mant << 13);
+    } else {
+        x = sign | ((e + 112) << 23) | (mant << 13);
+    }
+    memcpy(&f, &x, 4);
+    return f;
+}
+#endif
+
 /* ---- int8 weights: integer dot products -----------------------------------------------------------------
  * An int8 layer's input is quantized too, per block of 32 values of a row: d = max|x| / 127, q = round(x / d)
  * (ties to even). A block's dot product with a weight row is then exact in int32, scaled by d, summed in fp32
@@ -328,28 +375,49 @@ TILE(tile_i8, int8_t, loadq, INT8_TO_FLOAT)
 #error "an int8 tile must fit the results of a float tile"
 #endif
 
-/* An input to a linear layer: the rows x [B, in], and (for int8 layers) their int8 blocks, scales and sums. */
+/* An input to a linear layer: the rows x [B, in], and (for integer layers) their int8 blocks, scales and sums:
+ * per block, or for an int4 layer on AVX2 per pair of blocks (quantize_pairs). */
 typedef struct {
     const float *x;
     const int8_t *q;     /* [B, in] */
-    const float *d;      /* [B, in / QBLOCK] */
-    const int32_t *sum;  /* [B, in / QBLOCK]: the sum of a block's q */
+    const float *d;      /* [B, in / QBLOCK], or [B, 4 * in / QBLOCK] */
+    const int32_t *sum;  /* [B, in / QBLOCK]: the sum of a block's q; or [B, 4 * in / QBLOCK], see quantize_pairs */
 } Input;
 
+INLINE void quantize_block(const float *v, int8_t *q, float *d, int32_t *sum) {
+    float amax = 0.f;
+    for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t total = 0;
+    for (int j = 0; j < QBLOCK; j++) {
+        q[j] = (int8_t)rintf(v[j] * inv);
+        total += q[j];
+    }
+    *d = amax / 127.f;
+    *sum = total;
+}
+
 static void quantize_blocks(const float *x, int64_t n_blocks, int8_t *q, float *d, int32_t *sum) {
-    for (int64_t i = 0; i < n_blocks; i++) {
-        const float *v = x + i * QBLOCK;
-        float amax = 0.f;
-        for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t total = 0;
-        for (int j = 0; j < QBLOCK; j++) {
-            const int8_t value = (int8_t)rintf(v[j] * inv);
-            q[i * QBLOCK + j] = value;
-            total += value;
+    for (int64_t i = 0; i < n_blocks; i++) quantize_block(x + i * QBLOCK, q + i * QBLOCK, d + i, sum + i);
+}
+
+/* The same blocks laid out for tile_q4p, pair by pair: the low halves of both blocks, then their high halves
+ * (as an int4 pair's low and high nibbles come out of one 32-byte load), each block's scale four times and
+ * -2 x its sum four times (one of the 4 lanes its dot product lands in, each taking a quarter of the -8 x sum
+ * that the nibbles' offset owes). */
+static void quantize_pairs(const float *x, int64_t n_pairs, int8_t *q, float *d4, int32_t *s4) {
+    for (int64_t i = 0; i < n_pairs; i++) {
+        int8_t a[QBLOCK], b[QBLOCK];
+        float da, db;
+        int32_t sa, sb;
+        quantize_block(x + 2 * i * QBLOCK, a, &da, &sa);
+        quantize_block(x + (2 * i + 1) * QBLOCK, b, &db, &sb);
+        int8_t *out = q + 2 * i * QBLOCK;
+        memcpy(out, a, 16), memcpy(out + 16, b, 16), memcpy(out + 32, a + 16, 16), memcpy(out + 48, b + 16, 16);
+        for (int j = 0; j < 4; j++) {
+            d4[8 * i + j] = da, d4[8 * i + 4 + j] = db;
+            s4[8 * i + j] = -2 * sa, s4[8 * i + 4 + j] = -2 * sb;
         }
-        d[i] = amax / 127.f;
-        sum[i] = total;
     }
 }
 
@@ -366,6 +434,37 @@ INLINE __m256i dot_u8i8(__m256i a, __m256i b) {
 }
 
 #define PIN256(v) __asm__("" : "+x"(v))
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+/* acc + the 8 int32 sums of 4 products of unsigned a and signed b bytes */
+INLINE __m256i dot_acc_u8i8(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, a, b);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, a, b);
+#endif
+}
+#endif
+
+/* acc[r * MAX_NB + b] = the sum of a[r][b]'s 8 lanes (reduce_tile's tree, for the integer tiles' 8-float
+ * accumulators whatever VW is). */
+INLINE void reduce_q(v8 a[Q8_ROWS_MAX][Q8_NB], int R, int NB, float *acc) {
+    if (R > Q8_ROWS_MAX || NB > Q8_NB) __builtin_unreachable();
+    int k = 0;
+#pragma GCC unroll 8
+    for (; k + 4 <= R * NB; k += 4) {  /* (unrolled: an index left to run time keeps the tile in memory) */
+        const v4 sums = sums4_of8(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
+                                  a[(k + 3) / NB][(k + 3) % NB]);
+        for (int j = 0; j < 4; j++) acc[(k + j) / NB * MAX_NB + (k + j) % NB] = sums[j];
+    }
+    for (int left = 3; left > 0 && k < R * NB; left--, k++) {
+        v4 lo, hi;
+        memcpy(&lo, &a[k / NB][k % NB], 16);
+        memcpy(&hi, (const char *)&a[k / NB][k % NB] + 16, 16);
+        lo += hi;
+        acc[k / NB * MAX_NB + k % NB] = (lo[0] + lo[2]) + (lo[1] + lo[3]);
+    }
+}
 
 /* acc[r * MAX_NB + b] = sum over blocks of d[b, block] * (q[b, block] . w[r, block]), R rows (in apart), NB
  * inputs; R and NB constant after inlining. */
@@ -392,32 +491,123 @@ INLINE void tile_q8(const int8_t *w, const Input *in_, int64_t b0, int64_t in, i
             }
         }
     }
-    if (R > Q8_ROWS_MAX || NB > Q8_NB) __builtin_unreachable();
-    int k = 0;
-#pragma GCC unroll 8
-    for (; k + 4 <= R * NB; k += 4) {  /* (unrolled: an index left to run time keeps the tile in memory) */
-        const v4 sums = sums4_of8(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
-                                  a[(k + 3) / NB][(k + 3) % NB]);
-        for (int j = 0; j < 4; j++) acc[(k + j) / NB * MAX_NB + (k + j) % NB] = sums[j];
-    }
-    for (int left = 3; left > 0 && k < R * NB; left--, k++) {
-        v4 lo, hi;
-        memcpy(&lo, &a[k / NB][k % NB], 16);
-        memcpy(&hi, (const char *)&a[k / NB][k % NB] + 16, 16);
-        lo += hi;
-        acc[k / NB * MAX_NB + k % NB] = (lo[0] + lo[2]) + (lo[1] + lo[3]);
-    }
+    reduce_q(a, R, NB, acc);
 }
 
-#define Q8_CASE(K) case K: tile_q8(w, x, b0, in, Q8_R, (K) <= Q8_NB ? (K) : Q8_NB, acc); break;
-INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
-    if (R == Q8_ROWS_1 && NB == 1 && Q8_ROWS_1 != Q8_R) {
-        tile_q8(w, x, b0, in, Q8_ROWS_1, 1, acc);
-        return;
+/* acc[r * MAX_NB + b] = sum over groups of scale[r, group] * d[b, group] * ((u - 8) . q[b, group]) for an int4
+ * layer (pagedchat/model/int4.py: a group's 16 bytes hold its 32 values u + 8 as low nibbles then high), R rows
+ * of packed bytes (in / 2 apart) and their float16 scales (in / 32 apart). The nibbles are unsigned, so maddubs
+ * takes them as they are (15 x 127 x 2 cannot saturate); the 8 is taken off as 8 x the block's sum of q, one
+ * lane's share from each of the 8 lanes. */
+INLINE void tile_q4(const uint8_t *w, const uint16_t *ws, const Input *in_, int64_t b0, int64_t in, int R, int NB,
+                    float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    const int8_t *q = in_->q + b0 * in;
+    const float *d = in_->d + b0 * blocks;
+    const int32_t *sum = in_->sum + b0 * blocks;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    v8 a[Q8_ROWS_MAX][Q8_NB];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) a[r][b] = (v8){0};
+    for (int64_t k = 0; k < blocks; k++) {
+        for (int r = 0; r < R; r++) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + r * (in / 2) + k * (QBLOCK / 2)));
+            const __m256i u = _mm256_and_si256(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1), low);
+            const __m256 scale = _mm256_set1_ps(f16_to_f32(ws[r * blocks + k]));
+            for (int b = 0; b < NB; b++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * in + k * QBLOCK));
+                const __m256i p = _mm256_sub_epi32(dot_u8i8(u, xv), _mm256_set1_epi32(sum[b * blocks + k]));
+                const __m256 s = _mm256_mul_ps(scale, _mm256_broadcast_ss(d + b * blocks + k));
+                a[r][b] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, (__m256)a[r][b]);
+            }
+        }
     }
-    switch (R == Q8_R ? NB : 0) {
-        Q8_CASE(1) Q8_CASE(2) Q8_CASE(3) Q8_CASE(4)
-        default: tile_q8(w, x, b0, in, R, NB, acc); break;
+    reduce_q(a, R, NB, acc);
+}
+
+/* tile_q4 two groups at a time (in a multiple of 64, the input from quantize_pairs): one 32-byte load holds
+ * both groups' nibbles, and the low and high nibbles meet the inputs' low and high halves directly, so a pair
+ * costs 2 maddubs, an add and a madd (or 2 VNNI dpbusd) where two single groups cost twice that plus the
+ * unpacking; the result's lanes 0-3 are the first group's, 4-7 the second's, scaled lane by lane. */
+INLINE void tile_q4p(const uint8_t *w, const uint16_t *ws, const Input *in_, int64_t b0, int64_t in, int R, int NB,
+                     float *acc) {
+    const int64_t blocks = in / QBLOCK, pairs = blocks / 2;
+    const int8_t *q = in_->q + b0 * in;
+    const float *d4 = in_->d + b0 * blocks * 4;
+    const int32_t *s4 = in_->sum + b0 * blocks * 4;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    v8 a[Q8_ROWS_MAX][Q8_NB];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) a[r][b] = (v8){0};
+    for (int64_t k0 = 0; k0 < pairs; k0 += 4) {
+        /* the scales of 4 pairs, each pair's as [s0 x 4, s1 x 4]: 8 float16 converted at once */
+        const int n = pairs - k0 < 4 ? (int)(pairs - k0) : 4;
+        __m256 scales[Q8_ROWS_MAX][4];
+        for (int r = 0; r < R; r++) {
+#if defined(__F16C__)
+            if (n == 4) {
+                const __m256 eight = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + r * blocks + 2 * k0)));
+                for (int j = 0; j < 4; j++)
+                    scales[r][j] = _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1,
+                                                                                     2 * j + 1, 2 * j + 1, 2 * j + 1));
+                continue;
+            }
+#endif
+            for (int j = 0; j < n; j++) {
+                const float s0 = f16_to_f32(ws[r * blocks + 2 * (k0 + j)]), s1 = f16_to_f32(ws[r * blocks + 2 * (k0 + j) + 1]);
+                scales[r][j] = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const int64_t k = k0 + j;
+            for (int r = 0; r < R; r++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + r * (in / 2) + k * QBLOCK));
+                const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+                for (int b = 0; b < NB; b++) {
+                    const int8_t *x = q + b * in + k * 2 * QBLOCK;
+                    const __m256i xlo = _mm256_loadu_si256((const __m256i *)x);
+                    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x + 32));
+                    const __m256i offset = _mm256_loadu_si256((const __m256i *)(s4 + b * blocks * 4 + k * 8));
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+                    const __m256i p = dot_acc_u8i8(dot_acc_u8i8(offset, lo, xlo), hi, xhi);
+#else
+                    const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(pairs16, _mm256_set1_epi16(1)), offset);
+#endif
+                    const __m256 sc = _mm256_mul_ps(scales[r][j], _mm256_loadu_ps(d4 + b * blocks * 4 + k * 8));
+                    a[r][b] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, (__m256)a[r][b]);
+                }
+            }
+        }
+    }
+    reduce_q(a, R, NB, acc);
+}
+
+/* The specialisations: Q8_R rows x 1..Q8_NB inputs, Q8_ROWS_1 rows x 1; anything else generic. */
+#define Q_CASE(FN, K) case K: FN(w, ws, x, b0, in, Q8_R, (K) <= Q8_NB ? (K) : Q8_NB, acc); break;
+#define Q_DISPATCH(FN)                                                                                       \
+    if (R == Q8_ROWS_1 && NB == 1 && Q8_ROWS_1 != Q8_R)                                                     \
+        FN(w, ws, x, b0, in, Q8_ROWS_1, 1, acc);                                                            \
+    else switch (R == Q8_R ? NB : 0) {                                                                      \
+        Q_CASE(FN, 1) Q_CASE(FN, 2) Q_CASE(FN, 3) Q_CASE(FN, 4)                                             \
+        default: FN(w, ws, x, b0, in, R, NB, acc); break;                                                   \
+    }
+INLINE void tile_q8_(const int8_t *w, const void *ws, const Input *x, int64_t b0, int64_t in, int R, int NB,
+                     float *acc) {
+    (void)ws;
+    tile_q8(w, x, b0, in, R, NB, acc);
+}
+INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
+    const void *ws = NULL;
+    Q_DISPATCH(tile_q8_)
+}
+INLINE void tile_q4_any(const uint8_t *w, const uint16_t *ws, const Input *x, int64_t b0, int64_t in, int R,
+                        int NB, float *acc) {
+    if (in % (2 * QBLOCK) == 0) {
+        Q_DISPATCH(tile_q4p)
+    } else {
+        Q_DISPATCH(tile_q4)
     }
 }
 #else
@@ -431,6 +621,26 @@ INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in,
                 int32_t dot = 0;
                 for (int j = 0; j < QBLOCK; j++) dot += (int32_t)q[k * QBLOCK + j] * wr[k * QBLOCK + j];
                 total += (float)dot * x->d[(b0 + b) * blocks + k];
+            }
+            acc[r * MAX_NB + b] = total;
+        }
+}
+INLINE void tile_q4_any(const uint8_t *w, const uint16_t *ws, const Input *x, int64_t b0, int64_t in, int R,
+                        int NB, float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) {
+            const int8_t *q = x->q + (b0 + b) * in;
+            const uint8_t *wr = w + r * (in / 2);
+            float total = 0.f;
+            for (int64_t k = 0; k < blocks; k++) {
+                int32_t dot = 0;
+                for (int j = 0; j < QBLOCK / 2; j++) {
+                    const uint8_t byte = wr[k * QBLOCK / 2 + j];
+                    dot += ((byte & 0x0f) - 8) * (int32_t)q[k * QBLOCK + j];
+                    dot += ((byte >> 4) - 8) * (int32_t)q[k * QBLOCK + QBLOCK / 2 + j];
+                }
+                total += (float)dot * (f16_to_f32(ws[r * blocks + k]) * x->d[(b0 + b) * blocks + k]);
             }
             acc[r * MAX_NB + b] = total;
         }
@@ -525,7 +735,9 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
     }
 
 /* Whether layer l runs on integer dot products (its input quantized per block). */
-INLINE int integer_path(const Linear *l) { return l->format == FMT_I8 && l->in % QBLOCK == 0; }
+INLINE int integer_path(const Linear *l) {
+    return (l->format == FMT_I8 || l->format == FMT_I4) && l->in % QBLOCK == 0;
+}
 
 /* A linear layer's tile shape at batch B: rows a tile, most sequences a tile. */
 INLINE void tile_shape(const Linear *l, int64_t B, int *rows, int *seqs) {
@@ -543,7 +755,10 @@ static void tile(const Linear *l, int64_t r0, int R, const Input *input, int64_t
     const int64_t in = l->in, rstride = in, xstride = in;
     const int fetch = b0 == 0;
     const float *x = input->x + b0 * in;
-    if (integer_path(l)) {
+    if (l->format == FMT_I4) {
+        tile_q4_any((const uint8_t *)l->weight + r0 * (in / 2), (const uint16_t *)l->scales + r0 * (in / QBLOCK),
+                    input, b0, in, R, NB, acc);
+    } else if (integer_path(l)) {
         tile_q8_any((const int8_t *)l->weight + r0 * in, input, b0, in, R, NB, acc);
     } else if (l->format == FMT_I8) {
         const int8_t *w = (const int8_t *)l->weight + r0 * in;
@@ -581,10 +796,13 @@ typedef struct {
 
 INLINE Input input_for(const Linear *l, const float *x, int64_t B, const QuantBuffers *buf) {
     Input input = {x, NULL, NULL, NULL};
-    if (integer_path(l)) {
+    if (Q8_SIMD && l->format == FMT_I4 && l->in % (2 * QBLOCK) == 0)
+        quantize_pairs(x, B * l->in / (2 * QBLOCK), buf->q, buf->d, buf->sum);
+    else if (integer_path(l))
         quantize_blocks(x, B * l->in / QBLOCK, buf->q, buf->d, buf->sum);
-        input.q = buf->q, input.d = buf->d, input.sum = buf->sum;
-    }
+    else
+        return input;
+    input.q = buf->q, input.d = buf->d, input.sum = buf->sum;
     return input;
 }
 
@@ -660,53 +878,6 @@ static void rotate(float *x, const float *cos, const float *ssin, int64_t D) {
 
 INLINE int64_t slot_of(const int32_t *table, int64_t pos, int64_t bs) { return (int64_t)table[pos / bs] * bs + pos % bs; }
 INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
-
-/* ---- float16 scales of an int8 pool ------------------------------------------------------------------------
- * Rounded to nearest, ties to even, as torch's .to(float16): F16C where the CPU has it, else the same rounding
- * spelled out (the tests compare the two builds). */
-#if defined(__F16C__) && !defined(PC_ISA_GENERIC)
-INLINE uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
-INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
-#else
-static uint16_t f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff;
-    uint32_t mant = x & 0x7fffff;
-    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
-    const int32_t e = (int32_t)exp - 112;  /* the float16 exponent field */
-    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00);
-    if (e <= 0) {  /* a float16 subnormal (or zero): mant * 2^(e - 14) units of 2^-24 */
-        if (e < -10) return (uint16_t)sign;
-        mant |= 0x800000;
-        const int shift = 14 - e;
-        uint32_t half = mant >> shift;
-        const uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
-        if (rest > mid || (rest == mid && (half & 1))) half++;
-        return (uint16_t)(sign | half);
-    }
-    uint32_t h = sign | ((uint32_t)e << 10) | (mant >> 13);
-    const uint32_t rest = mant & 0x1fff;
-    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;  /* a carry moves into the exponent, as it should */
-    return (uint16_t)h;
-}
-static float f16_to_f32(uint16_t h) {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, mant = h & 0x3ff;
-    uint32_t x;
-    float f;
-    if (e == 0) {
-        f = (float)mant * (1.f / 16777216.f);  /* exact: mant * 2^-24 */
-        memcpy(&x, &f, 4);
-        x |= sign;
-    } else if (e == 31) {
-        x = sign | 0x7f800000 | (mant << 13);
-    } else {
-        x = sign | ((e + 112) << 23) | (mant << 13);
-    }
-    memcpy(&f, &x, 4);
-    return f;
-}
-#endif
 
 /* One (token, kv head) of K or V into an int8 pool, as kernels/kv_quant.py quantize_kv: scale = float16 of
  * max|x| / 127, values round(x / scale) (ties to even) clamped to +-127; a zero head keeps scale 0. */
@@ -917,7 +1088,7 @@ typedef struct {
 } Scratch;
 
 INLINE QuantBuffers quant_of(const Scratch *s, const Team *t) {
-    const int64_t n = s->quant_size, blocks = n / QBLOCK;
+    const int64_t n = s->quant_size, blocks = 4 * n / QBLOCK;  /* (room for quantize_pairs' layout) */
     const QuantBuffers buf = {s->q + t->tid * n, s->qd + t->tid * blocks, s->qsum + t->tid * blocks};
     return buf;
 }
@@ -1027,7 +1198,7 @@ API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *po
     const int64_t work = 2 * QMAX * D + QMAX * max_len + max_len;
     int64_t max_in = H > I ? H : I;
     max_in = m->num_heads * D > max_in ? m->num_heads * D : max_in;
-    const int64_t quant = (T * max_in + 63) / 64 * 64, blocks = quant / QBLOCK;
+    const int64_t quant = (T * max_in + 63) / 64 * 64, blocks = 4 * quant / QBLOCK;
     const int64_t sizes[] = {T * H, T * qkv_n, T * m->num_heads * D, T * I, num_threads * T * H, num_threads * work,
                              num_threads * quant / 4, num_threads * blocks, num_threads * blocks};
     enum { PARTS = sizeof sizes / sizeof sizes[0] };
@@ -1064,8 +1235,8 @@ API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *po
 API int pc_linear(const Linear *l, const float *x, int64_t B, float *y) {
     const int64_t n = (B * l->in + 63) / 64 * 64;
     int8_t *q = malloc(n);
-    float *d = malloc(n / QBLOCK * sizeof(float));
-    int32_t *sum = malloc(n / QBLOCK * sizeof(int32_t));
+    float *d = malloc(4 * n / QBLOCK * sizeof(float));
+    int32_t *sum = malloc(4 * n / QBLOCK * sizeof(int32_t));
     int rc = -1;
     if (q && d && sum) {
         const QuantBuffers buf = {q, d, sum};

@@ -70,25 +70,45 @@ def _addr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _int4_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed, scales) of an int4 layer (pagedchat/model/int4.py's layout: uint8 [out, in / 2], float16
+    [out, in / 32]), found by those tensors on the module whatever its class."""
+    from pagedchat.model.int4 import GROUP
+
+    packed, scales = getattr(module, "packed", None), getattr(module, "scales", None)
+    if not isinstance(packed, torch.Tensor) or not isinstance(scales, torch.Tensor) or packed.dim() != 2:
+        return None
+    if not (_plain(packed, torch.uint8) and _plain(scales, torch.float16)) \
+            or scales.shape != (packed.shape[0], packed.shape[1] * 2 // GROUP):
+        return None
+    return packed, scales
+
+
 def _linear(module: nn.Module) -> _Linear | None:
-    """A plain, oneDNN-packed (its plain weight) or int8 layer; None for anything else."""
+    """A plain, oneDNN-packed (its plain weight), int8 or int4 layer; None for anything else."""
     from pagedchat.model.packed import PackedLinear
     from pagedchat.model.quantize import Int8Linear
 
     bias = getattr(module, "bias", None)
-    if isinstance(module, Int8Linear):
+    int4 = _int4_tensors(module)
+    if int4 is not None:
+        (w, scales), fmt = int4, FMT_I4
+        out, in_ = w.shape[0], w.shape[1] * 2
+    elif isinstance(module, Int8Linear):
         w, scales, fmt = module.weight, module.scales, FMT_I8
         if w.dtype != torch.int8 or not w.is_contiguous() or not _fp32(scales):
             return None
+        out, in_ = w.shape
     elif isinstance(module, (nn.Linear, PackedLinear)):
         w, scales, fmt = module.weight, None, FMT_F32
         if not _fp32(w):
             return None
+        out, in_ = w.shape
     else:
         return None
     if not _fp32(bias):
         return None
-    return _Linear(_addr(w), _addr(scales), _addr(bias), w.shape[0], w.shape[1], fmt)
+    return _Linear(_addr(w), _addr(scales), _addr(bias), out, in_, fmt)
 
 
 def run_linear(module: nn.Module, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -126,7 +146,7 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
     mapping, mmap's default, measured slower than either: it must be MAP_PRIVATE.) The modules' tensors are
     rebound to views of the arena (values unchanged); returns the arena, which must outlive them, or None when
     there is nothing to gather."""
-    tensors = [m.weight for m in modules]
+    tensors = [m.packed if _int4_tensors(m) is not None else m.weight for m in modules]
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
@@ -144,6 +164,8 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
         view.copy_(t)
         if isinstance(t, nn.Parameter):
             t.data = view  # every holder of the parameter (a tied embedding, PackedLinear) sees the arena
+        elif t is getattr(module, "packed", None):
+            module.packed = view  # an int4 layer's registered buffer
         else:
             module.weight = view  # a registered buffer (Int8Linear)
     return arena
