@@ -28,6 +28,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 pytestmark = pytest.mark.skipif(build.load(wait=True) is None, reason="no native build here (no C compiler?)")
 
 
+@pytest.fixture(autouse=True)
+def native_always(monkeypatch):
+    """The engine takes the native step for every step it covers, without measuring the torch path against
+    it (pagedchat/native/paths.py): these tests count the native steps."""
+    monkeypatch.setenv("PAGEDCHAT_NATIVE", "always")
+
+
 def engine_for(path, **kwargs) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cpu", num_blocks=64, block_size=8, **kwargs),
                   show_progress=False)

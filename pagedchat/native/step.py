@@ -13,12 +13,14 @@ import ctypes
 import mmap
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
 
 import torch
 from torch import nn
 
 from pagedchat.native import build
+from pagedchat.native.paths import PathChoice
 
 _ptr = c_void_p
 
@@ -260,10 +262,11 @@ class _Choice:
 class NativeDecode:
     """Runs a decode step through decode.c; holds the tensors it points into so they stay alive."""
 
-    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list):
+    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list, paths: PathChoice):
         self.lib, self.struct, self.layers, self.keep = lib, model_struct, layers, keep
         self.vocab = model_struct.vocab
         self.threads: ThreadChoice | None = None
+        self.paths = paths  # native or torch, per kind and size of step (pagedchat/native/paths.py)
         lib.pc_step.restype = c_int
         lib.pc_step.argtypes = [POINTER(_Model), c_int64, _ptr, _ptr, c_int64, _ptr, _ptr, c_int64, _ptr, c_int]
 
@@ -321,7 +324,21 @@ class NativeDecode:
                         model.layers[0].self_attn.attn.scale, _addr(model.embed_tokens.weight),
                         _addr(model.norm.weight), lm_head, _addr(model.rotary.cos), _addr(model.rotary.signed_sin),
                         layers)
-        return cls(lib, struct, layers, [model, k_caches, v_caches, k_scales, v_scales, arena])
+        signature = "|".join(str(x) for x in (
+            f"hidden={spec.hidden_size}", f"layers={spec.num_layers}", f"heads={spec.num_heads}/{spec.num_kv_heads}",
+            f"head_dim={spec.head_dim}", f"ffn={spec.intermediate_size}", f"vocab={spec.vocab_size}",
+            "weights=" + ",".join(sorted({str(layers[0].qkv.format), str(lm_head.format)})),
+            f"pool={'int8' if k_scales is not None else 'fp32'}"))
+        paths = PathChoice(Path(lib._name).with_suffix(".paths.json"), signature)
+        return cls(lib, struct, layers, [model, k_caches, v_caches, k_scales, v_scales, arena], paths)
+
+    def use_native(self, tokens: int, seqs: int) -> bool:
+        """Whether a step of this many tokens and sequences should take the native path (measured)."""
+        return self.paths.use_native(tokens, seqs, torch.get_num_threads())
+
+    def torch_took(self, tokens: int, seqs: int, seconds: float) -> None:
+        """The wall time of a step this could have run, on the torch path: for PathChoice's trials."""
+        self.paths.record(tokens, seqs, torch.get_num_threads(), False, seconds)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
              cu_seqlens_q: torch.Tensor) -> torch.Tensor:
@@ -340,7 +357,9 @@ class NativeDecode:
         rc = self.lib.pc_step(ctypes.byref(self.struct), tokens, ids.data_ptr(), positions.data_ptr(),
                               block_tables.shape[0], cu_seqlens_q.data_ptr(), block_tables.data_ptr(),
                               block_tables.shape[1], logits.data_ptr(), threads)
-        self.threads.record(tokens, threads, time.perf_counter() - wall, time.process_time() - cpu)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        self.threads.record(tokens, threads, wall, cpu)
+        self.paths.record(tokens, block_tables.shape[0], budget, True, wall)
         if rc != 0:
             raise MemoryError("native decode step: no memory for its scratch buffers")
         return logits

@@ -187,8 +187,10 @@ class ModelRunner:
         (1 + len(draft_ids) rows for a sequence with drafts, in batch order)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
-        if self._native_fits(batch, ids, meta, sample_rows):
+        native = self._native_fits(batch, ids, meta, sample_rows)
+        if native and self.native.use_native(ids.shape[0], len(batch.items)):  # (measured: native/paths.py)
             return self.native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q), samplers
+        start = time.perf_counter()
         if self.graphs is not None and meta.is_decode and len(batch.items) <= self.graphs.max_batch:
             hidden = self.graphs.replay(ids, positions, meta)
         else:
@@ -197,7 +199,10 @@ class ModelRunner:
         if not sample_rows:
             return None, []
         rows = torch.tensor(sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]), samplers
+        logits = self.model.compute_logits(hidden[rows])
+        if native:
+            self.native.torch_took(ids.shape[0], len(batch.items), time.perf_counter() - start)
+        return logits, samplers
 
     def _bind_native(self) -> None:
         now = time.monotonic()
