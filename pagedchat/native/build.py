@@ -10,6 +10,14 @@ library up once it appears, engine/core/runner.py). That process builds under a 
 into place, so a reader never loads half a library; a marker keeps a second process from starting the same
 build, and a failed build leaves its error beside the target instead of being retried by every process.
 
+A cached library is checked before it is loaded: the build writes its size and SHA-256 beside it (`.sum`),
+and a library that does not match (truncated by a full disk, damaged, or built before records were kept) is
+never handed to the dynamic loader, which maps it and dies of SIGBUS on the first missing page. It is
+deleted and rebuilt, with one warning line; the run goes on on the torch path meanwhile.
+
+The target flags are `-march=native` unless PAGEDCHAT_NATIVE_CFLAGS gives others: `-march=haswell` measures the
+AVX2 build on an AVX-512 machine, `-DPC_ISA_GENERIC` forces the portable tiles (decode.c says which exist).
+
 No compiler, a failed build or PAGEDCHAT_NATIVE=0: `load()` returns None and the torch path stays; `status()`
 says why in one line.
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -28,7 +37,8 @@ import time
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("decode.c")
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden"]
+BASE_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden"]
+FLAGS_ENV = "PAGEDCHAT_NATIVE_CFLAGS"  # the target flags, instead of -march=native
 ENV_SWITCH = "PAGEDCHAT_NATIVE"
 CACHE_ENV = "PAGEDCHAT_NATIVE_CACHE"  # where builds live (the tests keep one for the session: conftest.py)
 # A build marker older than this is a build that died (killed machine, full disk): try again.
@@ -36,6 +46,12 @@ STALE_BUILD_S = 300
 
 _loaded: "ctypes.CDLL | None" = None
 _why_not = "not tried"
+log = logging.getLogger("pagedchat.native")  # with no logging set up, warnings still reach stderr
+
+
+def flags() -> list[str]:
+    """The compiler flags: the fixed ones and the target's (-march=native, or $PAGEDCHAT_NATIVE_CFLAGS)."""
+    return [*BASE_FLAGS, *(os.environ.get(FLAGS_ENV) or "-march=native").split()]
 
 
 def cache_dir() -> Path:
@@ -58,7 +74,7 @@ def _cpu_signature() -> str:
 
 def library_path(compiler: str) -> Path:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join([compiler, *FLAGS]).encode(), _cpu_signature().encode()):
+    for part in (SOURCE.read_bytes(), " ".join([compiler, *flags()]).encode(), _cpu_signature().encode()):
         digest.update(part)
     return cache_dir() / f"decode-{digest.hexdigest()[:16]}.so"
 
@@ -75,15 +91,52 @@ def _building_marker(target: Path) -> Path:
     return target.with_suffix(".building")
 
 
+def _record(target: Path) -> Path:
+    """Where a build's size and digest are kept."""
+    return target.with_suffix(".sum")
+
+
+def _fingerprint(path: Path | str) -> str:
+    data = Path(path).read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}"
+
+
+def _intact(target: Path) -> bool:
+    """Whether the cached library is the one its build recorded (size first: a truncated file is the usual
+    damage, and costs no read)."""
+    try:
+        size, _ = _record(target).read_text().split()
+        return target.stat().st_size == int(size) and _fingerprint(target) == _record(target).read_text().strip()
+    except (OSError, ValueError):
+        return False
+
+
+def _discard_damaged(target: Path) -> None:
+    """A library that fails its check is removed (a process that has it mapped keeps its inode), with one line
+    saying so."""
+    log.warning("pagedchat: the cached native library %s does not match its build record (damaged or "
+                "incomplete); rebuilding it", target)
+    for path in (target, _record(target)):
+        path.unlink(missing_ok=True)
+
+
 def build(compiler: str, target: Path) -> None:
-    """Compile to a private file and rename it into place; a failure is written beside the target and
-    raised."""
+    """Compile to a private file, record its size and digest, and rename both into place (the record first: a
+    library is never visible without it); a failure is written beside the target and raised."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.stem, suffix=".so.tmp", dir=target.parent)
     os.close(fd)
+    record_tmp = tmp + ".sum"
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
+        subprocess.run([compiler, *flags(), "-o", tmp, str(SOURCE), "-lm"], check=True, capture_output=True,
                        text=True, timeout=120)
+        with open(record_tmp, "w") as f:
+            f.write(_fingerprint(tmp))
+            f.flush()
+            os.fsync(f.fileno())
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # the bytes on disk before the name: a crash never leaves a named stub
+        os.replace(record_tmp, _record(target))
         os.replace(tmp, target)
     except (OSError, subprocess.SubprocessError) as e:
         try:
@@ -92,8 +145,9 @@ def build(compiler: str, target: Path) -> None:
             pass  # (the folder itself cannot be written: every process finds that out again)
         raise
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for leftover in (tmp, record_tmp):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
 
 
 def _start_background_build(compiler: str, target: Path) -> bool:
@@ -138,6 +192,8 @@ def load(wait: bool = False) -> "ctypes.CDLL | None":
     target = library_path(compiler)
     failed = _failed_marker(target)
     try:
+        if target.exists() and not _intact(target):
+            _discard_damaged(target)
         if not target.exists() and failed.exists():
             _why_not = f"build failed: {failed.read_text().strip()} (remove {failed} to try again)"
             return None
@@ -158,6 +214,12 @@ def load(wait: bool = False) -> "ctypes.CDLL | None":
     return _loaded
 
 
+def build_info(lib: ctypes.CDLL) -> str:
+    """What a library was built for: its vector ISA and tile shape ("avx2 vw=8 tile=4x3")."""
+    lib.pc_build_info.restype = ctypes.c_char_p
+    return lib.pc_build_info().decode()
+
+
 def building() -> bool:
     """The last load() found no build and one is being made in the background: try again later."""
     return _loaded is None and _why_not == "building in the background"
@@ -166,7 +228,7 @@ def building() -> bool:
 def status() -> str:
     """One line: whether the native decode step is available, and why not."""
     lib = load()
-    return "native decode: on" if lib is not None else f"native decode: off ({_why_not})"
+    return f"native decode: on ({build_info(lib)})" if lib is not None else f"native decode: off ({_why_not})"
 
 
 def _main(compiler: str, target: str) -> int:

@@ -1,20 +1,24 @@
-/* One decode step of a Llama-family model on CPU, in one call: every sequence in the batch has exactly one
- * new token; its K/V is written into the paged pool and attention reads the pool through the block table.
+/* One step of a Llama-family model on CPU, in one call, for steps whose every token is sampled: decode steps
+ * (one new token per sequence), speculative decoding's verify steps (k + 1 tokens per sequence, causal among
+ * themselves) and beam steps. Every token's K/V is written into the paged pool, then attention reads the pool
+ * through the block tables.
  *
  * Why native: at batch 1 a small model's step is ~450 eager torch calls, and their dispatch cost (not the
  * arithmetic) is what separates pagedchat from llama.cpp. Here the step is a few dozen loops over memory the
  * torch side owns (weights, caches, rotary tables: pointers, nothing copied). The arithmetic is the torch
  * path's, in fp32, in another summation order (as one GEMM shape already differs from another).
  *
- * Linear layers keep the checkpoint's [out, in] layout, fp32 or int8 with one fp32 scale per output row
- * (pagedchat/model/quantize.py). A tile of 4 rows x up to 4 sequences shares every load: at batch 1 the
- * weights stream once at the memory-bandwidth floor; at batch 16 each weight load feeds 4 sequences.
- * Threads claim the row tiles of every linear layer and split the (sequence, kv head) pairs of attention,
+ * Linear layers keep the checkpoint's [out, in] layout: fp32, int8 with one fp32 scale per output row
+ * (pagedchat/model/quantize.py), or int4 in groups of 32 (pagedchat/model/int4.py). A tile of rows x sequences
+ * shares every load: at batch 1 the weights stream once at the memory-bandwidth floor; at batch 16 each weight
+ * load feeds several sequences. The pool holds fp32 K/V, or int8 with one float16 scale per (slot, kv head)
+ * (kernels/kv_quant.py), written here exactly as quantize_kv writes them.
+ * Threads claim the row tiles of every linear layer and the (sequence, kv head) pairs of attention,
  * inside one OpenMP region per step (the same libgomp torch loaded: one thread pool, no oversubscription);
  * how many threads a step gets is the caller's choice (pagedchat/native/step.py ThreadChoice).
  *
  * Built with the machine's C compiler on first use (pagedchat/native/build.py); GCC/clang vector extensions
- * keep it portable: 16-float vectors become AVX-512, 2 x AVX2 or 4 x SSE as the CPU has.
+ * keep it portable, and the tile shapes follow the instruction set (below).
  */
 #include <math.h>
 #include <stdint.h>
@@ -29,25 +33,24 @@
 
 #define API __attribute__((visibility("default")))
 #define INLINE static inline __attribute__((always_inline))
+#define STR_(x) #x
+#define STR(x) STR_(x)
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int8_t v16c __attribute__((vector_size(16), aligned(1)));
+enum { FMT_F32 = 0, FMT_I8 = 1, FMT_I4 = 2 };
 
 typedef struct {
-    const void *weight;    /* [out, in]: float, or int8 when scales != NULL */
-    const float *scales;   /* [out] per-row scale of an int8 weight, else NULL */
+    const void *weight;    /* [out, in] float or int8; int4: [out, in / 2] packed bytes */
+    const void *scales;    /* int8: float [out]; int4: float16 [out, in / 32]; fp32: NULL */
     const float *bias;     /* [out] or NULL */
-    int64_t out, in;
+    int64_t out, in, format;
 } Linear;
 
 typedef struct {
     const float *input_norm, *post_norm;  /* [hidden] */
     const float *q_norm, *k_norm;         /* [head_dim] (Qwen3) or NULL */
     Linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache;             /* [num_blocks, block_size, kv_heads, head_dim] */
+    void *k_cache, *v_cache;              /* [num_blocks, block_size, kv_heads, head_dim]: float, or int8 */
+    uint16_t *k_scales, *v_scales;        /* int8 caches: float16 [num_blocks, block_size, kv_heads]; else NULL */
 } Layer;
 
 typedef struct {
@@ -60,115 +63,589 @@ typedef struct {
     const Layer *layers;
 } Model;
 
-INLINE v16 load16(const float *p) { return *(const v16u *)p; }
-/* int8 -> float, 16 at a time. GCC 12 scalarizes __builtin_convertvector for this, so the two x86 paths
- * are spelled out (sign-extend, then convert); other CPUs take the generic form. */
-#if defined(__AVX512F__)
-INLINE v16 load16q(const int8_t *p) {
-    return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-#elif defined(__AVX2__)
-INLINE v16 load16q(const int8_t *p) {
-    __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8))));
-    v16 v;
-    memcpy(&v, &lo, 32);
-    memcpy((char *)&v + 32, &hi, 32);
-    return v;
-}
+/* ---- Vectors and tile shapes, per instruction set --------------------------------------------------------
+ *
+ * VW floats make one vector: a register of the target (AVX-512: 16, AVX/AVX2: 8, SSE, NEON and the rest: 4).
+ * A linear layer's tile is TILE_R rows x up to TILE_NB sequences of vector accumulators, sized so that the
+ * accumulators, one input vector per sequence and a weight vector all stay in registers:
+ *   AVX-512 (32 zmm): 4 x 6 = 24 accumulators + 6 inputs + 1 weight = 31;
+ *   AVX2+FMA (16 ymm): 4 x 3 = 12 accumulators + 3 inputs + 1 weight = 16, inputs and weight pinned in
+ *     registers (below): 7 loads per 12 multiply-adds. Chosen by measurement on Zen 3 (AMD EPYC, AVX2, one
+ *     thread, a shared machine, best of 60 runs of one layer): 1536x512 at 64 sequences 60-73 GFLOP/s
+ *     against 42-54 for 2 x 6, 36-41 for 3 x 4 unpinned, 58-69 for 3 x 3 and 2 x 4 pinned; 4 x 6, the
+ *     AVX-512 shape, spills and reached 43-46. End to end, small llama, 16 sequences: 32 ms a step against
+ *     168 ms with the AVX-512 shape.
+ *   the portable fallback (SSE: 16 xmm; NEON has 32): 3 x 4 of 4-float vectors, correct everywhere.
+ * -DPC_ISA_GENERIC forces the fallback on any CPU and -DPC_TILE_R / -DPC_TILE_NB override the shape (the
+ * tests build each; PAGEDCHAT_NATIVE_CFLAGS passes them). */
+#if defined(PC_ISA_GENERIC)
+#define VW 4
+#define ISA_NAME "generic"
+#elif defined(__AVX512F__)
+#define VW 16
+#define ISA_NAME "avx512"
+#elif defined(__AVX__)
+#define VW 8
+#define ISA_NAME "avx2"
 #else
-INLINE v16 load16q(const int8_t *p) { return __builtin_convertvector(*(const v16c *)p, v16); }
+#define VW 4
+#define ISA_NAME "generic"
+#endif
+#if !defined(PC_TILE_R) && VW == 16
+#define PC_TILE_R 4
+#define PC_TILE_NB 6
+#elif !defined(PC_TILE_R)
+#define PC_TILE_R 4
+#define PC_TILE_NB 3
+#endif
+#define TILE_R PC_TILE_R
+#define MAX_NB PC_TILE_NB
+#if TILE_R < 1 || TILE_R > 8 || MAX_NB < 1 || MAX_NB > 8
+#error "tile shapes run from 1 to 8 rows and sequences"
+#endif
+/* One sequence alone (batch-1 decode) streams the weights once: ROWS_1 rows a tile keep that many multiply-add
+ * chains in flight. Software prefetch (PC_FETCH) helps the AVX-512 machine it was measured on and hurts Zen 3,
+ * whose hardware prefetchers keep up with 8 rows: one thread streaming a 64 MB layer there (best of 40, a
+ * shared machine) reached 16-17.6 GB/s with 8 rows and no prefetch, 13.6-15.6 with 4 rows and none,
+ * 9.4-12 with 4 rows and prefetch (the former shape). */
+#if !defined(PC_ROWS_1) && VW == 16
+#define PC_ROWS_1 TILE_R
+#elif !defined(PC_ROWS_1)
+#define PC_ROWS_1 8
+#endif
+#if !defined(PC_FETCH)
+#define PC_FETCH (VW == 16)
+#endif
+#define ROWS_1 PC_ROWS_1
+#define ROWS_MAX (ROWS_1 > TILE_R ? ROWS_1 : TILE_R)
+#if ROWS_1 < 1 || ROWS_1 > 8
+#error "tile shapes run from 1 to 8 rows"
+#endif
+/* The intrinsics below are taken only where the vector width is the register's. */
+#if defined(__AVX512F__) && VW == 16
+#define X86_512 1
+#else
+#define X86_512 0
+#endif
+#if defined(__AVX2__) && VW == 8
+#define X86_256 1
+#else
+#define X86_256 0
 #endif
 
-INLINE float hsum(v16 v) {
-    v8 a, b;
-    memcpy(&a, &v, 32);
-    memcpy(&b, (const char *)&v + 32, 32);
-    a += b;
-    v4 c, d;
-    memcpy(&c, &a, 16);
-    memcpy(&d, (const char *)&a + 16, 16);
-    c += d;
-    return (c[0] + c[2]) + (c[1] + c[3]);
-}
-
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));
+typedef int8_t vqu __attribute__((vector_size(VW), aligned(1)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v4i __attribute__((vector_size(16)));
 #if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#define SHUFFLE(a, b, T, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
+#define SHUFFLE(a, b, T, ...) __builtin_shuffle(a, b, (T){__VA_ARGS__})
 #endif
 
-INLINE v8 fold(v16 v) {
+INLINE vf loadv(const float *p) { return *(const vfu *)p; }
+INLINE void storev(float *p, vf v) { *(vfu *)p = v; }
+/* int8 -> float, VW at a time. GCC 12 scalarizes __builtin_convertvector for this on x86, so the two x86
+ * paths are spelled out (sign-extend, then convert); other CPUs take the generic form. */
+#if X86_512
+INLINE vf loadq(const int8_t *p) {
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif X86_256
+INLINE vf loadq(const int8_t *p) {
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+INLINE vf loadq(const int8_t *p) { return __builtin_convertvector(*(const vqu *)p, vf); }
+#endif
+
+/* v4 of the sums of four 4-float vectors: one shuffle tree serves all four. */
+INLINE v4 sums4_of4(v4 q0, v4 q1, v4 q2, v4 q3) {
+    const v4 t01 = SHUFFLE(q0, q1, v4i, 0, 4, 1, 5) + SHUFFLE(q0, q1, v4i, 2, 6, 3, 7);  /* q0 q1 q0 q1 */
+    const v4 t23 = SHUFFLE(q2, q3, v4i, 0, 4, 1, 5) + SHUFFLE(q2, q3, v4i, 2, 6, 3, 7);
+    return SHUFFLE(t01, t23, v4i, 0, 1, 4, 5) + SHUFFLE(t01, t23, v4i, 2, 3, 6, 7);
+}
+
+#if VW == 16
+INLINE v8 halves16(vf v) {  /* the two 8-float halves added */
     v8 a, b;
     memcpy(&a, &v, 32);
     memcpy(&b, (const char *)&v + 32, 32);
     return a + b;
 }
+#endif
 
-/* The sums of p0..p3, in one vector: one reduction tree whose shuffles serve all four. A batch's tiles end in
- * 16 sums each; reducing them one by one, a batch-16 step of the small llama took 25-26 ms, with this 21 ms
- * (measured before and after, not interleaved). */
-INLINE v4 hsum4(v16 p0, v16 p1, v16 p2, v16 p3) {
-    const v8 q0 = fold(p0), q1 = fold(p1), q2 = fold(p2), q3 = fold(p3);
-    const v8 t01 = SHUFFLE(q0, q1, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q0, q1, 4, 5, 6, 7, 12, 13, 14, 15);
-    const v8 t23 = SHUFFLE(q2, q3, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q2, q3, 4, 5, 6, 7, 12, 13, 14, 15);
+/* v4 of the sums of four 8-float vectors. */
+INLINE v4 sums4_of8(v8 q0, v8 q1, v8 q2, v8 q3) {
+    const v8 t01 = SHUFFLE(q0, q1, v8i, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q0, q1, v8i, 4, 5, 6, 7, 12, 13, 14, 15);
+    const v8 t23 = SHUFFLE(q2, q3, v8i, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(q2, q3, v8i, 4, 5, 6, 7, 12, 13, 14, 15);
     /* t01: 4 partial sums of q0, then 4 of q1; t23 likewise */
-    const v8 u = SHUFFLE(t01, t23, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(t01, t23, 2, 3, 10, 11, 6, 7, 14, 15);
+    const v8 u = SHUFFLE(t01, t23, v8i, 0, 1, 8, 9, 4, 5, 12, 13) + SHUFFLE(t01, t23, v8i, 2, 3, 10, 11, 6, 7, 14, 15);
     /* u: 2 partial sums each of q0, q2, q1, q3 */
-    const v8 w = SHUFFLE(u, u, 0, 4, 2, 6, 1, 5, 3, 7);  /* q0 q1 q2 q3, twice */
+    const v8 w = SHUFFLE(u, u, v8i, 0, 4, 2, 6, 1, 5, 3, 7);  /* q0 q1 q2 q3, twice */
     v4 a, b;
     memcpy(&a, &w, 16);
     memcpy(&b, (const char *)&w + 16, 16);
     return a + b;
 }
 
-/* Sequences per tile: 4 rows x 6 sequences is 24 accumulators, 6 inputs and a weight vector: 31 of the 32
- * AVX-512 registers, and every weight load feeds 6 FMAs (4 sequences: 4). */
-#define MAX_NB 6
+/* The sums of p0..p3, in one vector. A batch's tiles end in 16 sums each; reducing them one by one, a
+ * batch-16 step of the small llama took 25-26 ms on AVX-512, with this 21 ms. */
+INLINE v4 hsum4(vf p0, vf p1, vf p2, vf p3) {
+#if VW == 4
+    return sums4_of4(p0, p1, p2, p3);
+#elif VW == 16
+    return sums4_of8(halves16(p0), halves16(p1), halves16(p2), halves16(p3));
+#else
+    return sums4_of8(p0, p1, p2, p3);
+#endif
+}
 
-/* y[b, r] = sum_i x[b, i] * w[r, i] for R rows from r0 and NB sequences: every weight vector loaded once
- * feeds NB accumulators, every input vector R. R and NB are constants after inlining: the accumulators stay
- * in registers. */
+INLINE float hsum(vf v) {  /* the same tree as hsum4's, lane for lane */
+#if VW == 4
+    v4 c = v;
+#else
+#if VW == 16
+    const v8 a = halves16(v);
+#else
+    const v8 a = v;
+#endif
+    v4 c, d;
+    memcpy(&c, &a, 16);
+    memcpy(&d, (const char *)&a + 16, 16);
+    c += d;
+#endif
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* Whether a tile's inputs and weight fit in registers beside its accumulators (16 vector registers, which
+ * all but AVX-512 have). Where they fit they are pinned there: left alone, GCC folds every input load into its
+ * multiply-add (R * NB loads a step instead of R + NB), and a tile becomes load-bound. */
+#if defined(PC_PIN)
+#define PIN_INPUTS PC_PIN
+#else
+#define PIN_INPUTS (VW != 16 && TILE_R * MAX_NB + MAX_NB + 1 <= 16)
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#define PIN(v) __asm__("" : "+x"(v))
+#elif defined(__aarch64__)
+#define PIN(v) __asm__("" : "+w"(v))
+#else
+#define PIN(v) ((void)0)
+#endif
+
+/* acc[r * MAX_NB + b] = the sum of a[r][b]'s lanes, four accumulators to a shuffle tree (rows and sequences
+ * taken in order: a 4 x 3 tile is three trees). */
+INLINE void reduce_tile(vf a[ROWS_MAX][MAX_NB], int R, int NB, float *acc) {
+    if (R > ROWS_MAX || NB > MAX_NB) __builtin_unreachable();
+    int k = 0;
+#pragma GCC unroll 12
+    for (; k + 4 <= R * NB; k += 4) {
+        const v4 sums = hsum4(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
+                              a[(k + 3) / NB][(k + 3) % NB]);
+        for (int j = 0; j < 4; j++) acc[(k + j) / NB * MAX_NB + (k + j) % NB] = sums[j];
+    }
+    for (int left = 3; left > 0 && k < R * NB; left--, k++) acc[k / NB * MAX_NB + k % NB] = hsum(a[k / NB][k % NB]);
+}
+
+/* y[b, r] = sum_i x[b, i] * w[r, i] for R rows from w (rstride apart; rows of a linear layer are `in` apart,
+ * keys in the pool kv_heads * head_dim) and NB sequences (xstride apart): every weight vector loaded once feeds
+ * NB accumulators, every input vector R. R and NB are constants after inlining: the accumulators stay in
+ * registers. fetch: prefetch the next tile's rows (a linear layer's, which follow these). */
 #define TILE(NAME, WTYPE, LOAD, SCALAR)                                                                      \
-    INLINE void NAME(const WTYPE *w, const float *x, int64_t in, int64_t xstride, int R, int NB, int fetch,  \
-                     float *acc) {                                                                          \
-        v16 a[4][MAX_NB];                                                                                   \
+    INLINE void NAME(const WTYPE *w, const float *x, int64_t in, int64_t rstride, int64_t xstride, int R,    \
+                     int NB, int fetch, float *acc) {                                                       \
+        vf a[ROWS_MAX][MAX_NB];                                                                             \
         for (int r = 0; r < R; r++)                                                                         \
-            for (int b = 0; b < NB; b++) a[r][b] = (v16){0};                                                \
+            for (int b = 0; b < NB; b++) a[r][b] = (vf){0};                                                 \
         int64_t i = 0;                                                                                      \
         /* While these rows stream, the next tile's are fetched into L1 and the tile 4 ahead into L2 (once:  \
          * later sequences find them in cache). The far fetch keeps more of the stream in flight: the       \
          * matrix-vector pass over the small llama's weights, 8 alternations, 7.2-8.7 ms against 8.2-10.0. */ \
         const char *next = (const char *)(w + R * in), *far = (const char *)(w + 4 * R * in);             \
-        const int lines = fetch ? R * (int)sizeof(WTYPE) / 4 : 0;                                           \
-        for (; i + 16 <= in; i += 16) {                                                                     \
+        const int lines = fetch && PC_FETCH ? (R * (int)sizeof(WTYPE) * VW + 63) / 64 : 0;                  \
+        for (; i + VW <= in; i += VW) {                                                                     \
             for (int c = 0; c < lines; c++) {                                                               \
                 __builtin_prefetch(next + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 3);                 \
                 __builtin_prefetch(far + (i * R * (int64_t)sizeof(WTYPE)) + c * 64, 0, 1);                  \
             }                                                                                               \
-            v16 xv[MAX_NB];                                                                                 \
-            for (int b = 0; b < NB; b++) xv[b] = load16(x + b * xstride + i);                               \
+            vf xv[MAX_NB];                                                                                  \
+            for (int b = 0; b < NB; b++) {                                                                  \
+                xv[b] = loadv(x + b * xstride + i);                                                         \
+                if (PIN_INPUTS) PIN(xv[b]);                                                                 \
+            }                                                                                               \
             for (int r = 0; r < R; r++) {                                                                   \
-                v16 wv = LOAD(w + r * in + i);                                                              \
+                vf wv = LOAD(w + r * rstride + i);                                                          \
+                if (PIN_INPUTS) PIN(wv);                                                                    \
                 for (int b = 0; b < NB; b++) a[r][b] += wv * xv[b];                                         \
             }                                                                                               \
         }                                                                                                   \
-        for (int r = 0; r < R; r++) {                                                                       \
-            int b = 0;                                                                                      \
-            if (NB >= 4) {                                                                                  \
-                const v4 sums = hsum4(a[r][0], a[r][1], a[r][2], a[r][3]);                                  \
-                for (; b < 4; b++) acc[r * MAX_NB + b] = sums[b];                                           \
-            }                                                                                               \
-            for (; b < NB; b++) acc[r * MAX_NB + b] = hsum(a[r][b]);                                        \
-            for (b = 0; b < NB; b++)                                                                        \
-                for (int64_t j = i; j < in; j++) acc[r * MAX_NB + b] += SCALAR(w[r * in + j]) * x[b * xstride + j]; \
-        }                                                                                                   \
+        reduce_tile(a, R, NB, acc);                                                                         \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int b = 0; b < NB; b++)                                                                    \
+                for (int64_t j = i; j < in; j++) acc[r * MAX_NB + b] += SCALAR(w[r * rstride + j]) * x[b * xstride + j]; \
     }
 #define AS_FLOAT(v) (v)
 #define INT8_TO_FLOAT(v) ((float)(v))
-TILE(tile_f32, float, load16, AS_FLOAT)
-TILE(tile_i8, int8_t, load16q, INT8_TO_FLOAT)
+TILE(tile_f32, float, loadv, AS_FLOAT)
+TILE(tile_i8, int8_t, loadq, INT8_TO_FLOAT)
+
+/* ---- float16: an int8 pool's scales, an int4 layer's --------------------------------------------------------
+ * Rounded to nearest, ties to even, as torch's .to(float16): F16C where the CPU has it, else the same rounding
+ * spelled out (the tests compare the two builds). */
+#if defined(__F16C__) && !defined(PC_ISA_GENERIC)
+INLINE uint16_t f32_to_f16(float f) { return _cvtss_sh(f, 0); }
+INLINE float f16_to_f32(uint16_t h) { return _cvtsh_ss(h); }
+#else
+static uint16_t f32_to_f16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000, exp = (x >> 23) & 0xff;
+    uint32_t mant = x & 0x7fffff;
+    if (exp == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    const int32_t e = (int32_t)exp - 112;  /* the float16 exponent field */
+    if (e >= 0x1f) return (uint16_t)(sign | 0x7c00);
+    if (e <= 0) {  /* a float16 subnormal (or zero): mant * 2^(e - 14) units of 2^-24 */
+        if (e < -10) return (uint16_t)sign;
+        mant |= 0x800000;
+        const int shift = 14 - e;
+        uint32_t half = mant >> shift;
+        const uint32_t rest = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rest > mid || (rest == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t h = sign | ((uint32_t)e << 10) | (mant >> 13);
+    const uint32_t rest = mant & 0x1fff;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++;  /* a carry moves into the exponent, as it should */
+    return (uint16_t)h;
+}
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, mant = h & 0x3ff;
+    uint32_t x;
+    float f;
+    if (e == 0) {
+        f = (float)mant * (1.f / 16777216.f);  /* exact: mant * 2^-24 */
+        memcpy(&x, &f, 4);
+        x |= sign;
+    } else if (e == 31) {
+        x = sign | 0x7f800000 | (mant << 13);
+    } else {
+        x = sign | ((e + 112) << 23) | (mant << 13);
+    }
+    memcpy(&f, &x, 4);
+    return f;
+}
+#endif
+
+/* ---- int8 weights: integer dot products -----------------------------------------------------------------
+ * An int8 layer's input is quantized too, per block of 32 values of a row: d = max|x| / 127, q = round(x / d)
+ * (ties to even). A block's dot product with a weight row is then exact in int32, scaled by d, summed in fp32
+ * over the blocks, and the row's scale applied at the end: what llama.cpp does for Q8_0 weights against its
+ * Q8 activations (there the weights' scales are per block too; here per row, so they wait for the end). On
+ * x86 with AVX2 a block pair is sign-fixed bytes (|x|, w * sign(x)) through maddubs and madd (or one VNNI
+ * dpbusd): 32 multiply-adds in 4-5 instructions, on a quarter of fp32's weight bytes. Without AVX2 the same
+ * arithmetic runs in plain C. The numbers change against the fp32-activation product: a block's values move
+ * by up to half a step (d / 2) each; tests/test_native_decode.py holds the step to a torch emulation of this
+ * arithmetic and reports its distance from the fp32-activation int8 path and from fp32. */
+#define QBLOCK 32
+#if defined(__AVX2__) && !defined(PC_ISA_GENERIC)
+#define Q8_SIMD 1
+#else
+#define Q8_SIMD 0
+#endif
+#if !defined(PC_Q8_R) && VW == 16
+#define PC_Q8_R 4
+#define PC_Q8_NB 4  /* 16 accumulators + 4 inputs + a few temporaries of 32 registers */
+#elif !defined(PC_Q8_R)
+#define PC_Q8_R 4
+#define PC_Q8_NB 2  /* 8 accumulators + 2 inputs + weight, sign-fixed weight, product, ones: 14 of 16 */
+#endif
+#if !defined(PC_Q8_ROWS_1)
+#define PC_Q8_ROWS_1 8
+#endif
+#define Q8_R PC_Q8_R
+#define Q8_NB PC_Q8_NB
+#define Q8_ROWS_1 PC_Q8_ROWS_1
+#define Q8_ROWS_MAX (Q8_ROWS_1 > Q8_R ? Q8_ROWS_1 : Q8_R)
+#define ACC_ROWS 8  /* rows of a tile's results, whatever its shape */
+#if Q8_NB > MAX_NB || Q8_ROWS_MAX > ACC_ROWS || ROWS_MAX > ACC_ROWS
+#error "an int8 tile must fit the results of a float tile"
+#endif
+
+/* An input to a linear layer: the rows x [B, in], and (for integer layers) their int8 blocks, scales and sums:
+ * per block, or for an int4 layer on AVX2 per pair of blocks (quantize_pairs). */
+typedef struct {
+    const float *x;
+    const int8_t *q;     /* [B, in] */
+    const float *d;      /* [B, in / QBLOCK], or [B, 4 * in / QBLOCK] */
+    const int32_t *sum;  /* [B, in / QBLOCK]: the sum of a block's q; or [B, 4 * in / QBLOCK], see quantize_pairs */
+} Input;
+
+INLINE void quantize_block(const float *v, int8_t *q, float *d, int32_t *sum) {
+    float amax = 0.f;
+    for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t total = 0;
+    for (int j = 0; j < QBLOCK; j++) {
+        q[j] = (int8_t)rintf(v[j] * inv);
+        total += q[j];
+    }
+    *d = amax / 127.f;
+    *sum = total;
+}
+
+static void quantize_blocks(const float *x, int64_t n_blocks, int8_t *q, float *d, int32_t *sum) {
+    for (int64_t i = 0; i < n_blocks; i++) quantize_block(x + i * QBLOCK, q + i * QBLOCK, d + i, sum + i);
+}
+
+/* The same blocks laid out for tile_q4p, pair by pair: the low halves of both blocks, then their high halves
+ * (as an int4 pair's low and high nibbles come out of one 32-byte load), each block's scale four times and
+ * -2 x its sum four times (one of the 4 lanes its dot product lands in, each taking a quarter of the -8 x sum
+ * that the nibbles' offset owes). */
+static void quantize_pairs(const float *x, int64_t n_pairs, int8_t *q, float *d4, int32_t *s4) {
+    for (int64_t i = 0; i < n_pairs; i++) {
+        int8_t a[QBLOCK], b[QBLOCK];
+        float da, db;
+        int32_t sa, sb;
+        quantize_block(x + 2 * i * QBLOCK, a, &da, &sa);
+        quantize_block(x + (2 * i + 1) * QBLOCK, b, &db, &sb);
+        int8_t *out = q + 2 * i * QBLOCK;
+        memcpy(out, a, 16), memcpy(out + 16, b, 16), memcpy(out + 32, a + 16, 16), memcpy(out + 48, b + 16, 16);
+        for (int j = 0; j < 4; j++) {
+            d4[8 * i + j] = da, d4[8 * i + 4 + j] = db;
+            s4[8 * i + j] = -2 * sa, s4[8 * i + 4 + j] = -2 * sb;
+        }
+    }
+}
+
+#if Q8_SIMD
+/* 8 int32 partial sums of |a| * b for 32 unsigned and 32 signed bytes (|a| <= 127: no int16 saturation) */
+INLINE __m256i dot_u8i8(__m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+
+#define PIN256(v) __asm__("" : "+x"(v))
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+/* acc + the 8 int32 sums of 4 products of unsigned a and signed b bytes */
+INLINE __m256i dot_acc_u8i8(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, a, b);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, a, b);
+#endif
+}
+#endif
+
+/* acc[r * MAX_NB + b] = the sum of a[r][b]'s 8 lanes (reduce_tile's tree, for the integer tiles' 8-float
+ * accumulators whatever VW is). */
+INLINE void reduce_q(v8 a[Q8_ROWS_MAX][Q8_NB], int R, int NB, float *acc) {
+    if (R > Q8_ROWS_MAX || NB > Q8_NB) __builtin_unreachable();
+    int k = 0;
+#pragma GCC unroll 8
+    for (; k + 4 <= R * NB; k += 4) {  /* (unrolled: an index left to run time keeps the tile in memory) */
+        const v4 sums = sums4_of8(a[k / NB][k % NB], a[(k + 1) / NB][(k + 1) % NB], a[(k + 2) / NB][(k + 2) % NB],
+                                  a[(k + 3) / NB][(k + 3) % NB]);
+        for (int j = 0; j < 4; j++) acc[(k + j) / NB * MAX_NB + (k + j) % NB] = sums[j];
+    }
+    for (int left = 3; left > 0 && k < R * NB; left--, k++) {
+        v4 lo, hi;
+        memcpy(&lo, &a[k / NB][k % NB], 16);
+        memcpy(&hi, (const char *)&a[k / NB][k % NB] + 16, 16);
+        lo += hi;
+        acc[k / NB * MAX_NB + k % NB] = (lo[0] + lo[2]) + (lo[1] + lo[3]);
+    }
+}
+
+/* acc[r * MAX_NB + b] = sum over blocks of d[b, block] * (q[b, block] . w[r, block]), R rows (in apart), NB
+ * inputs; R and NB constant after inlining. */
+INLINE void tile_q8(const int8_t *w, const Input *in_, int64_t b0, int64_t in, int R, int NB, float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    const int8_t *q = in_->q + b0 * in;
+    const float *d = in_->d + b0 * blocks;
+    v8 a[Q8_ROWS_MAX][Q8_NB];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) a[r][b] = (v8){0};
+    for (int64_t k = 0; k < blocks; k++) {
+        __m256i xabs[Q8_NB];
+        for (int b = 0; b < NB; b++) {
+            xabs[b] = _mm256_abs_epi8(_mm256_loadu_si256((const __m256i *)(q + b * in + k * QBLOCK)));
+            PIN256(xabs[b]);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + r * in + k * QBLOCK));
+            for (int b = 0; b < NB; b++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * in + k * QBLOCK));
+                const __m256i p = dot_u8i8(xabs[b], _mm256_sign_epi8(wv, xv));
+                a[r][b] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(d + b * blocks + k),
+                                              (__m256)a[r][b]);
+            }
+        }
+    }
+    reduce_q(a, R, NB, acc);
+}
+
+/* acc[r * MAX_NB + b] = sum over groups of scale[r, group] * d[b, group] * ((u - 8) . q[b, group]) for an int4
+ * layer (pagedchat/model/int4.py: a group's 16 bytes hold its 32 values u + 8 as low nibbles then high), R rows
+ * of packed bytes (in / 2 apart) and their float16 scales (in / 32 apart). The nibbles are unsigned, so maddubs
+ * takes them as they are (15 x 127 x 2 cannot saturate); the 8 is taken off as 8 x the block's sum of q, one
+ * lane's share from each of the 8 lanes. */
+INLINE void tile_q4(const uint8_t *w, const uint16_t *ws, const Input *in_, int64_t b0, int64_t in, int R, int NB,
+                    float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    const int8_t *q = in_->q + b0 * in;
+    const float *d = in_->d + b0 * blocks;
+    const int32_t *sum = in_->sum + b0 * blocks;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    v8 a[Q8_ROWS_MAX][Q8_NB];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) a[r][b] = (v8){0};
+    for (int64_t k = 0; k < blocks; k++) {
+        for (int r = 0; r < R; r++) {
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + r * (in / 2) + k * (QBLOCK / 2)));
+            const __m256i u = _mm256_and_si256(
+                _mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1), low);
+            const __m256 scale = _mm256_set1_ps(f16_to_f32(ws[r * blocks + k]));
+            for (int b = 0; b < NB; b++) {
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(q + b * in + k * QBLOCK));
+                const __m256i p = _mm256_sub_epi32(dot_u8i8(u, xv), _mm256_set1_epi32(sum[b * blocks + k]));
+                const __m256 s = _mm256_mul_ps(scale, _mm256_broadcast_ss(d + b * blocks + k));
+                a[r][b] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, (__m256)a[r][b]);
+            }
+        }
+    }
+    reduce_q(a, R, NB, acc);
+}
+
+/* tile_q4 two groups at a time (in a multiple of 64, the input from quantize_pairs): one 32-byte load holds
+ * both groups' nibbles, and the low and high nibbles meet the inputs' low and high halves directly, so a pair
+ * costs 2 maddubs, an add and a madd (or 2 VNNI dpbusd) where two single groups cost twice that plus the
+ * unpacking; the result's lanes 0-3 are the first group's, 4-7 the second's, scaled lane by lane. */
+INLINE void tile_q4p(const uint8_t *w, const uint16_t *ws, const Input *in_, int64_t b0, int64_t in, int R, int NB,
+                     float *acc) {
+    const int64_t blocks = in / QBLOCK, pairs = blocks / 2;
+    const int8_t *q = in_->q + b0 * in;
+    const float *d4 = in_->d + b0 * blocks * 4;
+    const int32_t *s4 = in_->sum + b0 * blocks * 4;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    v8 a[Q8_ROWS_MAX][Q8_NB];
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) a[r][b] = (v8){0};
+    for (int64_t k0 = 0; k0 < pairs; k0 += 4) {
+        /* the scales of 4 pairs, each pair's as [s0 x 4, s1 x 4]: 8 float16 converted at once */
+        const int n = pairs - k0 < 4 ? (int)(pairs - k0) : 4;
+        __m256 scales[Q8_ROWS_MAX][4];
+        for (int r = 0; r < R; r++) {
+#if defined(__F16C__)
+            if (n == 4) {
+                const __m256 eight = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(ws + r * blocks + 2 * k0)));
+                for (int j = 0; j < 4; j++)
+                    scales[r][j] = _mm256_permutevar8x32_ps(eight, _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1,
+                                                                                     2 * j + 1, 2 * j + 1, 2 * j + 1));
+                continue;
+            }
+#endif
+            for (int j = 0; j < n; j++) {
+                const float s0 = f16_to_f32(ws[r * blocks + 2 * (k0 + j)]), s1 = f16_to_f32(ws[r * blocks + 2 * (k0 + j) + 1]);
+                scales[r][j] = _mm256_setr_ps(s0, s0, s0, s0, s1, s1, s1, s1);
+            }
+        }
+        for (int j = 0; j < n; j++) {
+            const int64_t k = k0 + j;
+            for (int r = 0; r < R; r++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(w + r * (in / 2) + k * QBLOCK));
+                const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+                for (int b = 0; b < NB; b++) {
+                    const int8_t *x = q + b * in + k * 2 * QBLOCK;
+                    const __m256i xlo = _mm256_loadu_si256((const __m256i *)x);
+                    const __m256i xhi = _mm256_loadu_si256((const __m256i *)(x + 32));
+                    const __m256i offset = _mm256_loadu_si256((const __m256i *)(s4 + b * blocks * 4 + k * 8));
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+                    const __m256i p = dot_acc_u8i8(dot_acc_u8i8(offset, lo, xlo), hi, xhi);
+#else
+                    const __m256i pairs16 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
+                    const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(pairs16, _mm256_set1_epi16(1)), offset);
+#endif
+                    const __m256 sc = _mm256_mul_ps(scales[r][j], _mm256_loadu_ps(d4 + b * blocks * 4 + k * 8));
+                    a[r][b] = (v8)_mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sc, (__m256)a[r][b]);
+                }
+            }
+        }
+    }
+    reduce_q(a, R, NB, acc);
+}
+
+/* The specialisations: Q8_R rows x 1..Q8_NB inputs, Q8_ROWS_1 rows x 1; anything else generic. */
+#define Q_CASE(FN, K) case K: FN(w, ws, x, b0, in, Q8_R, (K) <= Q8_NB ? (K) : Q8_NB, acc); break;
+#define Q_DISPATCH(FN)                                                                                       \
+    if (R == Q8_ROWS_1 && NB == 1 && Q8_ROWS_1 != Q8_R)                                                     \
+        FN(w, ws, x, b0, in, Q8_ROWS_1, 1, acc);                                                            \
+    else switch (R == Q8_R ? NB : 0) {                                                                      \
+        Q_CASE(FN, 1) Q_CASE(FN, 2) Q_CASE(FN, 3) Q_CASE(FN, 4)                                             \
+        default: FN(w, ws, x, b0, in, R, NB, acc); break;                                                   \
+    }
+INLINE void tile_q8_(const int8_t *w, const void *ws, const Input *x, int64_t b0, int64_t in, int R, int NB,
+                     float *acc) {
+    (void)ws;
+    tile_q8(w, x, b0, in, R, NB, acc);
+}
+INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
+    const void *ws = NULL;
+    Q_DISPATCH(tile_q8_)
+}
+INLINE void tile_q4_any(const uint8_t *w, const uint16_t *ws, const Input *x, int64_t b0, int64_t in, int R,
+                        int NB, float *acc) {
+    if (in % (2 * QBLOCK) == 0) {
+        Q_DISPATCH(tile_q4p)
+    } else {
+        Q_DISPATCH(tile_q4)
+    }
+}
+#else
+INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) {
+            const int8_t *q = x->q + (b0 + b) * in, *wr = w + r * in;
+            float total = 0.f;
+            for (int64_t k = 0; k < blocks; k++) {
+                int32_t dot = 0;
+                for (int j = 0; j < QBLOCK; j++) dot += (int32_t)q[k * QBLOCK + j] * wr[k * QBLOCK + j];
+                total += (float)dot * x->d[(b0 + b) * blocks + k];
+            }
+            acc[r * MAX_NB + b] = total;
+        }
+}
+INLINE void tile_q4_any(const uint8_t *w, const uint16_t *ws, const Input *x, int64_t b0, int64_t in, int R,
+                        int NB, float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) {
+            const int8_t *q = x->q + (b0 + b) * in;
+            const uint8_t *wr = w + r * (in / 2);
+            float total = 0.f;
+            for (int64_t k = 0; k < blocks; k++) {
+                int32_t dot = 0;
+                for (int j = 0; j < QBLOCK / 2; j++) {
+                    const uint8_t byte = wr[k * QBLOCK / 2 + j];
+                    dot += ((byte & 0x0f) - 8) * (int32_t)q[k * QBLOCK + j];
+                    dot += ((byte >> 4) - 8) * (int32_t)q[k * QBLOCK + QBLOCK / 2 + j];
+                }
+                total += (float)dot * (f16_to_f32(ws[r * blocks + k]) * x->d[(b0 + b) * blocks + k]);
+            }
+            acc[r * MAX_NB + b] = total;
+        }
+}
+#endif
 
 /* The threads of a step: who I am, and the barrier between phases that need each other's results.
  *
@@ -244,24 +721,46 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
     *hi = *lo + chunk < n ? *lo + chunk : n;
 }
 
-/* The specialisations the inliner keeps apart: 4 rows x 1..MAX_NB sequences; a tail of rows goes generic. */
+/* The specialisations the inliner keeps apart: TILE_R rows x 1..MAX_NB sequences (a case above MAX_NB is
+ * never taken) and ROWS_1 rows x 1 sequence; a tail of rows goes generic. */
+#define NB_CASE(FN, W, K)                                                                                    \
+    case K: FN(W, x, in, rstride, xstride, TILE_R, (K) <= MAX_NB ? (K) : MAX_NB, fetch, acc); break;
 #define DISPATCH(FN, W)                                                                                      \
-    switch (R * 8 + NB) {                                                                                   \
-        case 4 * 8 + 1: FN(W, x, in, in, 4, 1, fetch, acc); break;                                         \
-        case 4 * 8 + 2: FN(W, x, in, in, 4, 2, fetch, acc); break;                                         \
-        case 4 * 8 + 3: FN(W, x, in, in, 4, 3, fetch, acc); break;                                         \
-        case 4 * 8 + 4: FN(W, x, in, in, 4, 4, fetch, acc); break;                                         \
-        case 4 * 8 + 5: FN(W, x, in, in, 4, 5, fetch, acc); break;                                         \
-        case 4 * 8 + 6: FN(W, x, in, in, 4, 6, fetch, acc); break;                                         \
-        default: FN(W, x, in, in, R, NB, fetch, acc); break;                                                \
+    if (R == ROWS_1 && NB == 1 && ROWS_1 != TILE_R)                                                         \
+        FN(W, x, in, rstride, xstride, ROWS_1, 1, fetch, acc);                                              \
+    else switch (R == TILE_R ? NB : 0) {                                                                    \
+        NB_CASE(FN, W, 1) NB_CASE(FN, W, 2) NB_CASE(FN, W, 3) NB_CASE(FN, W, 4)                             \
+        NB_CASE(FN, W, 5) NB_CASE(FN, W, 6) NB_CASE(FN, W, 7) NB_CASE(FN, W, 8)                             \
+        default: FN(W, x, in, rstride, xstride, R, NB, fetch, acc); break;                                  \
     }
 
-/* acc[r * MAX_NB + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of x_all [B, in]. */
-static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t b0, int NB, float *acc) {
-    const int64_t in = l->in;
+/* Whether layer l runs on integer dot products (its input quantized per block). */
+INLINE int integer_path(const Linear *l) {
+    return (l->format == FMT_I8 || l->format == FMT_I4) && l->in % QBLOCK == 0;
+}
+
+/* A linear layer's tile shape at batch B: rows a tile, most sequences a tile. */
+INLINE void tile_shape(const Linear *l, int64_t B, int *rows, int *seqs) {
+    if (integer_path(l)) {
+        *rows = B == 1 ? Q8_ROWS_1 : Q8_R;
+        *seqs = Q8_NB;
+    } else {
+        *rows = B == 1 ? ROWS_1 : TILE_R;
+        *seqs = MAX_NB;
+    }
+}
+
+/* acc[r * MAX_NB + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of the input. */
+static void tile(const Linear *l, int64_t r0, int R, const Input *input, int64_t b0, int NB, float *acc) {
+    const int64_t in = l->in, rstride = in, xstride = in;
     const int fetch = b0 == 0;
-    const float *x = x_all + b0 * in;
-    if (l->scales) {
+    const float *x = input->x + b0 * in;
+    if (l->format == FMT_I4) {
+        tile_q4_any((const uint8_t *)l->weight + r0 * (in / 2), (const uint16_t *)l->scales + r0 * (in / QBLOCK),
+                    input, b0, in, R, NB, acc);
+    } else if (integer_path(l)) {
+        tile_q8_any((const int8_t *)l->weight + r0 * in, input, b0, in, R, NB, acc);
+    } else if (l->format == FMT_I8) {
         const int8_t *w = (const int8_t *)l->weight + r0 * in;
         DISPATCH(tile_i8, w)
     } else {
@@ -270,7 +769,7 @@ static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t
     }
     for (int r = 0; r < R; r++)
         for (int b = 0; b < NB; b++) {
-            if (l->scales) acc[r * MAX_NB + b] *= l->scales[r0 + r];
+            if (l->format == FMT_I8) acc[r * MAX_NB + b] *= ((const float *)l->scales)[r0 + r];
             if (l->bias) acc[r * MAX_NB + b] += l->bias[r0 + r];
         }
 }
@@ -280,24 +779,49 @@ static void tile(const Linear *l, int64_t r0, int R, const float *x_all, int64_t
  * Rows are claimed, not split in fixed shares: a thread that runs slower (its core shared with another
  * process) does fewer tiles instead of holding every phase up until its fixed half is done. */
 #define GRAB 8
-static int claim(const Team *t, int64_t tiles, int64_t *lo, int64_t *hi) {
-    *lo = atomic_fetch_add_explicit(&t->barrier->next_tile, GRAB, memory_order_relaxed);
-    *hi = *lo + GRAB < tiles ? *lo + GRAB : tiles;
+static int claim_n(const Team *t, int64_t tiles, int64_t grab, int64_t *lo, int64_t *hi) {
+    *lo = atomic_fetch_add_explicit(&t->barrier->next_tile, grab, memory_order_relaxed);
+    *hi = *lo + grab < tiles ? *lo + grab : tiles;
     return *lo < tiles;
+}
+INLINE int claim(const Team *t, int64_t tiles, int64_t *lo, int64_t *hi) { return claim_n(t, tiles, GRAB, lo, hi); }
+
+/* The input of layer l: the rows, and for an integer layer their blocks, quantized into this thread's buffers
+ * (each thread quantizes for itself: B x in values instead of a barrier). */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *sum;
+} QuantBuffers;
+
+INLINE Input input_for(const Linear *l, const float *x, int64_t B, const QuantBuffers *buf) {
+    Input input = {x, NULL, NULL, NULL};
+    if (Q8_SIMD && l->format == FMT_I4 && l->in % (2 * QBLOCK) == 0)
+        quantize_pairs(x, B * l->in / (2 * QBLOCK), buf->q, buf->d, buf->sum);
+    else if (integer_path(l))
+        quantize_blocks(x, B * l->in / QBLOCK, buf->q, buf->d, buf->sum);
+    else
+        return input;
+    input.q = buf->q, input.d = buf->d, input.sum = buf->sum;
+    return input;
 }
 
 /* y [B, out] = x [B, in] @ w.T (+ bias), or y += that (the residual stream) when accumulate; the tiles this
  * thread claims. */
-static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate) {
+static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate,
+                   const QuantBuffers *buf) {
+    const Input input = input_for(l, x, B, buf);
+    int rows, seqs;
+    tile_shape(l, B, &rows, &seqs);
     int64_t lo, hi;
-    while (claim(team, (l->out + 3) / 4, &lo, &hi)) {
+    while (claim(team, (l->out + rows - 1) / rows, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
-            const int64_t r0 = t * 4;
-            const int R = l->out - r0 < 4 ? (int)(l->out - r0) : 4;
-            for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
-                const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
-                float acc[4 * MAX_NB];
-                tile(l, r0, R, x, b0, NB, acc);
+            const int64_t r0 = t * rows;
+            const int R = l->out - r0 < rows ? (int)(l->out - r0) : rows;
+            for (int64_t b0 = 0; b0 < B; b0 += seqs) {
+                const int NB = B - b0 < seqs ? (int)(B - b0) : seqs;
+                float acc[ACC_ROWS * MAX_NB];
+                tile(l, r0, R, &input, b0, NB, acc);
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
                         float *out = y + (b0 + b) * l->out + r0 + r;
@@ -310,18 +834,22 @@ static void linear(const Team *team, const Linear *l, const float *x, int64_t B,
 
 /* act [B, I] = silu(gate) * up, with gate and up the two halves of l's rows: a thread computes the gate rows
  * and the matching up rows of a tile together, so the activation needs no second pass. */
-static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act) {
+static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act,
+                         const QuantBuffers *buf) {
+    const Input input = input_for(l, x, B, buf);
     const int64_t I = l->out / 2;
+    int rows, seqs;
+    tile_shape(l, B, &rows, &seqs);
     int64_t lo, hi;
-    while (claim(team, (I + 3) / 4, &lo, &hi)) {
+    while (claim(team, (I + rows - 1) / rows, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
-            const int64_t r0 = t * 4;
-            const int R = I - r0 < 4 ? (int)(I - r0) : 4;
-            for (int64_t b0 = 0; b0 < B; b0 += MAX_NB) {
-                const int NB = B - b0 < MAX_NB ? (int)(B - b0) : MAX_NB;
-                float gate[4 * MAX_NB], up[4 * MAX_NB];
-                tile(l, r0, R, x, b0, NB, gate);
-                tile(l, I + r0, R, x, b0, NB, up);
+            const int64_t r0 = t * rows;
+            const int R = I - r0 < rows ? (int)(I - r0) : rows;
+            for (int64_t b0 = 0; b0 < B; b0 += seqs) {
+                const int NB = B - b0 < seqs ? (int)(B - b0) : seqs;
+                float gate[ACC_ROWS * MAX_NB], up[ACC_ROWS * MAX_NB];
+                tile(l, r0, R, &input, b0, NB, gate);
+                tile(l, I + r0, R, &input, b0, NB, up);
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
                         const float g = gate[r * MAX_NB + b];
@@ -349,173 +877,387 @@ static void rotate(float *x, const float *cos, const float *ssin, int64_t D) {
 }
 
 INLINE int64_t slot_of(const int32_t *table, int64_t pos, int64_t bs) { return (int64_t)table[pos / bs] * bs + pos % bs; }
+INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-INLINE float dot(const float *a, const float *b, int64_t n) {
-    v16 acc = {0};
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) acc += load16(a + i) * load16(b + i);
-    float s = hsum(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+/* One (token, kv head) of K or V into an int8 pool, as kernels/kv_quant.py quantize_kv: scale = float16 of
+ * max|x| / 127, values round(x / scale) (ties to even) clamped to +-127; a zero head keeps scale 0. */
+static void quantize_head(const float *x, int64_t D, int8_t *q, uint16_t *scale) {
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
+    const uint16_t h = f32_to_f16(amax / 127.f);
+    const float stored = f16_to_f32(h), safe = stored > 0.f ? stored : 1.f;
+    for (int64_t d = 0; d < D; d++) q[d] = (int8_t)fminf(fmaxf(rintf(x[d] / safe), -127.f), 127.f);
+    *scale = h;
 }
 
-/* Softmax weights in place: exp(s - max) / sum. */
-static void softmax(float *scores, int64_t len) {
-    float mx = -INFINITY, sum = 0.f;
-    for (int64_t t = 0; t < len; t++) mx = scores[t] > mx ? scores[t] : mx;
-    for (int64_t t = 0; t < len; t++) {
-        scores[t] = expf(scores[t] - mx);
-        sum += scores[t];
+/* ---- Attention ---------------------------------------------------------------------------------------------
+ * One task is one sequence's tokens of this step against one kv head: its M = tokens x (query heads per kv
+ * head) queries read every key and value of the context once. Scores go block by block through the table with
+ * the linear layers' tile (keys as rows, queries as sequences: the keys' loads are shared by all queries of a
+ * GQA group and of a verify step); softmax per query over what it may see (a verify step's token sees the
+ * context up to its own position); then the values, a tile of PV_Q queries x PV_V vectors of the head held in
+ * registers while the keys' rows stream by. An int8 pool is read through its scales: a key's scale multiplies
+ * its score, a value's scale its probability. */
+#if VW == 16
+#define PV_Q 4  /* 16 accumulators + 4 values + 1 probability of 32 zmm */
+#else
+#define PV_Q 2  /* 8 accumulators + 4 values + 1 probability of 16 ymm/xmm */
+#endif
+#define PV_V 4
+#define QMAX 16  /* queries of one task scored together; more take another pass over the context */
+
+/* out[q * ostride + c * VW ...] = sum_t p[q * ld + t] * v_t[c * VW ...] for QN queries and NV vectors, the values
+ * rows of one kv head's context (vstride apart within a block) found through the table. */
+#define PV_TILE(NAME, VTYPE, LOAD)                                                                           \
+    INLINE void NAME(const VTYPE *v0, int64_t vstride, const int32_t *table, int64_t bs, int64_t len,        \
+                     const float *p, int64_t ld, int QN, int NV, float *out, int64_t ostride) {             \
+        vf acc[PV_Q][PV_V];                                                                                 \
+        for (int q = 0; q < QN; q++)                                                                        \
+            for (int c = 0; c < NV; c++) acc[q][c] = (vf){0};                                               \
+        for (int64_t t0 = 0; t0 < len; t0 += bs) {                                                          \
+            const VTYPE *block = v0 + (int64_t)table[t0 / bs] * bs * vstride;                                \
+            const int64_t n = min64(bs, len - t0);                                                          \
+            for (int64_t j = 0; j < n; j++) {                                                               \
+                vf vv[PV_V];                                                                                \
+                for (int c = 0; c < NV; c++) {                                                              \
+                    vv[c] = LOAD(block + j * vstride + c * VW);                                             \
+                    PIN(vv[c]);                                                                             \
+                }                                                                                           \
+                for (int q = 0; q < QN; q++) {                                                              \
+                    const vf pq = (vf){0} + p[q * ld + t0 + j];                                             \
+                    for (int c = 0; c < NV; c++) acc[q][c] += pq * vv[c];                                   \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int q = 0; q < QN; q++)                                                                        \
+            for (int c = 0; c < NV; c++) storev(out + q * ostride + c * VW, acc[q][c]);                      \
     }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; t++) scores[t] *= inv;
+PV_TILE(pv_f32, float, loadv)
+PV_TILE(pv_i8, int8_t, loadq)
+
+/* Specialised: a full PV_Q or a single query, 1..PV_V vectors (a head of 16 floats on AVX2 is 2). */
+#define PV_CASE(FN, V0, P, O, Q, V) case (Q) * 8 + (V): FN(V0, vstride, table, bs, len, P, ld, Q, V, O, ostride); break;
+#define PV_DISPATCH_AT(FN, V0, P, O)                                                                         \
+    switch (QN == PV_Q || QN == 1 ? QN * 8 + NV : 0) {                                                      \
+        PV_CASE(FN, V0, P, O, PV_Q, 4) PV_CASE(FN, V0, P, O, PV_Q, 3) PV_CASE(FN, V0, P, O, PV_Q, 2)         \
+        PV_CASE(FN, V0, P, O, PV_Q, 1) PV_CASE(FN, V0, P, O, 1, 4) PV_CASE(FN, V0, P, O, 1, 3)               \
+        PV_CASE(FN, V0, P, O, 1, 2) PV_CASE(FN, V0, P, O, 1, 1)                                              \
+        default: FN(V0, vstride, table, bs, len, P, ld, QN, NV, O, ostride); break;                         \
+    }
+
+/* The pool of one layer and kv head: rows of `stride` elements (float or int8) from `base`, scales beside. */
+typedef struct {
+    const void *base;
+    const uint16_t *scales;   /* per (slot, kv head), or NULL for a float pool */
+    int64_t stride, scale_stride;
+} Pool;
+
+INLINE Pool pool_of(const void *cache, const uint16_t *scales, int64_t g, int64_t Hkv, int64_t D) {
+    const int64_t offset = g * D;
+    Pool pool = {scales ? (const void *)((const int8_t *)cache + offset) : (const void *)((const float *)cache + offset),
+                 scales ? scales + g : NULL, Hkv * D, Hkv};
+    return pool;
 }
 
-/* One query head over its sequence's paged context, keys and values read in place block by block through the
- * table (no gather). DV = head_dim / 16 is a constant after inlining: the query and the output stay in
- * registers for the whole context (an output in memory made every key a load-add-store chain). */
-INLINE void attend_head(const float *k_cache, const float *v_cache, const float *qh, const int32_t *table,
-                        int64_t len, int64_t bs, int64_t stride, float scale, float *o, float *scores, const int DV) {
-    v16 q[16], acc[16];
-    for (int c = 0; c < DV; c++) q[c] = load16(qh + 16 * c), acc[c] = (v16){0};
+/* s[q * ld + t] = scale * (query q . key t) for t < len. */
+static void score(const Pool *k, const int32_t *table, int64_t bs, int64_t len, const float *queries, int M,
+                  int64_t D, float scale, float *s, int64_t ld) {
+    const int64_t in = D, rstride = k->stride, xstride = D;
+    const int fetch = 0;
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
-        for (int64_t j = 0; j < n; j++) {
-            const float *k = k_cache + (base + j) * stride;
-            v16 d = q[0] * load16(k);
-            for (int c = 1; c < DV; c++) d += q[c] * load16(k + 16 * c);
-            scores[t0 + j] = hsum(d) * scale;
+        const int64_t slot0 = (int64_t)table[t0 / bs] * bs, n = min64(bs, len - t0);
+        for (int64_t j = 0; j < n; j += TILE_R) {
+            const int R = (int)min64(TILE_R, n - j);
+            for (int b0 = 0; b0 < M; b0 += MAX_NB) {
+                const int NB = M - b0 < MAX_NB ? M - b0 : MAX_NB;
+                const float *x = queries + b0 * D;
+                float acc[ROWS_MAX * MAX_NB];
+                if (k->scales) {
+                    const int8_t *w = (const int8_t *)k->base + (slot0 + j) * rstride;
+                    DISPATCH(tile_i8, w)
+                } else {
+                    const float *w = (const float *)k->base + (slot0 + j) * rstride;
+                    DISPATCH(tile_f32, w)
+                }
+                for (int r = 0; r < R; r++) {
+                    const float rs = k->scales ? scale * f16_to_f32(k->scales[(slot0 + j + r) * k->scale_stride]) : scale;
+                    for (int b = 0; b < NB; b++) s[(b0 + b) * ld + t0 + j + r] = acc[r * MAX_NB + b] * rs;
+                }
+            }
         }
-    }
-    softmax(scores, len);
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
-        const int64_t base = (int64_t)table[t0 / bs] * bs, n = len - t0 < bs ? len - t0 : bs;
-        for (int64_t j = 0; j < n; j++) {
-            const float *v = v_cache + (base + j) * stride;
-            const float p = scores[t0 + j];
-            for (int c = 0; c < DV; c++) acc[c] += p * load16(v + 16 * c);
-        }
-    }
-    for (int c = 0; c < DV; c++) memcpy(o + 16 * c, &acc[c], sizeof(v16));
-}
-
-/* Any other head size: the same arithmetic with the output in memory. */
-static void attend_head_any(const float *k_cache, const float *v_cache, const float *qh, const int32_t *table,
-                            int64_t len, int64_t bs, int64_t stride, int64_t D, float scale, float *o,
-                            float *scores) {
-    for (int64_t t = 0; t < len; t++) scores[t] = dot(qh, k_cache + slot_of(table, t, bs) * stride, D) * scale;
-    softmax(scores, len);
-    for (int64_t d = 0; d < D; d++) o[d] = 0.f;
-    for (int64_t t = 0; t < len; t++) {
-        const float *v = v_cache + slot_of(table, t, bs) * stride, p = scores[t];
-        for (int64_t d = 0; d < D; d++) o[d] += p * v[d];
     }
 }
 
-/* The query heads that share kv head g, over one sequence's context. */
-static void attend(const Model *m, const Layer *l, const float *q, const int32_t *table, int64_t len, int64_t g,
-                   float *out, float *scores) {
-    const int64_t D = m->head_dim, Hkv = m->num_kv_heads, group = m->num_heads / Hkv, bs = m->block_size;
-    const float *k_cache = l->k_cache + g * D, *v_cache = l->v_cache + g * D;  /* slot stride Hkv * D */
-    for (int64_t h = g * group; h < (g + 1) * group; h++) {
-        const float *qh = q + h * D;
-        float *o = out + h * D;
-        switch (D) {
-            case 64: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 4); break;
-            case 128: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 8); break;
-            case 256: attend_head(k_cache, v_cache, qh, table, len, bs, Hkv * D, m->scale, o, scores, 16); break;
-            default: attend_head_any(k_cache, v_cache, qh, table, len, bs, Hkv * D, D, m->scale, o, scores);
+/* e^x for x <= 0 (a score minus its row's maximum), VW at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
+ * Cephes' expf polynomial, 2^n put into the exponent. Within 2 ulp of expf (the tests hold the step to the torch
+ * path at 1e-4); below -87 it returns ~1e-38 where expf underflows to 0, both nothing beside the row's 1. */
+INLINE vf exp_nonpositive(vf x) {
+    typedef int32_t vi __attribute__((vector_size(4 * VW)));
+    const vi low = x < -87.f;
+    x = (vf)((low & (vi)((vf){0} - 87.f)) | (~low & (vi)x));
+    const vf shift = (vf){0} + 12582912.f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
+    const vf t = x * 1.44269504088896341f + shift, n = t - shift;
+    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln 2 in two parts: n ln 2 exactly */
+    vf poly = (vf){0} + 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    poly = poly * (r * r) + r + 1.f;
+    const vi exponent = ((vi)t - (vi)shift) << 23;
+    return (vf)((vi)poly + exponent);
+}
+
+INLINE vf vmax(vf a, vf b) {
+    typedef int32_t vi __attribute__((vector_size(4 * VW)));
+    const vi gt = a > b;
+    return (vf)((gt & (vi)a) | (~gt & (vi)b));
+}
+
+/* Row q of s becomes softmax over its first visible[q] entries, zero beyond (up to len); an int8 pool's value
+ * scales (vscale[t]) are folded in. */
+static void softmax_rows(float *s, int64_t ld, int M, const int64_t *visible, int64_t len, const float *vscale) {
+    for (int q = 0; q < M; q++) {
+        float *row = s + q * ld;
+        const int64_t n = visible[q], whole = n / VW * VW;
+        vf mv = (vf){0} - INFINITY;
+        for (int64_t t = 0; t < whole; t += VW) mv = vmax(mv, loadv(row + t));
+        float mx = -INFINITY;
+        for (int i = 0; i < VW; i++) mx = mv[i] > mx ? mv[i] : mx;
+        for (int64_t t = whole; t < n; t++) mx = row[t] > mx ? row[t] : mx;
+        vf sv = {0};
+        for (int64_t t = 0; t < whole; t += VW) {
+            const vf e = exp_nonpositive(loadv(row + t) - mx);
+            storev(row + t, e);
+            sv += e;
+        }
+        float sum = hsum(sv);
+        for (int64_t t = whole; t < n; t++) {
+            row[t] = expf(row[t] - mx);
+            sum += row[t];
+        }
+        const float inv = 1.f / sum;
+        if (vscale)
+            for (int64_t t = 0; t < n; t++) row[t] *= inv * vscale[t];
+        else
+            for (int64_t t = 0; t < n; t++) row[t] *= inv;
+        for (int64_t t = n; t < len; t++) row[t] = 0.f;
+    }
+}
+
+/* out[q * D ...] = sum_t p[q * ld + t] * value t, for M queries. */
+static void mix_values(const Pool *v, const int32_t *table, int64_t bs, int64_t len, const float *p, int64_t ld,
+                       int M, int64_t D, float *out) {
+    const int64_t vstride = v->stride, ostride = D, whole = D / VW * VW;
+    for (int64_t c0 = 0; c0 < whole; c0 += PV_V * VW) {
+        const int NV = (int)min64(PV_V, (whole - c0) / VW);
+        for (int q0 = 0; q0 < M; q0 += PV_Q) {
+            const int QN = M - q0 < PV_Q ? M - q0 : PV_Q;
+            const float *pq = p + q0 * ld;
+            float *o = out + q0 * D + c0;
+            if (v->scales) {
+                const int8_t *v0 = (const int8_t *)v->base + c0;
+                PV_DISPATCH_AT(pv_i8, v0, pq, o)
+            } else {
+                const float *v0 = (const float *)v->base + c0;
+                PV_DISPATCH_AT(pv_f32, v0, pq, o)
+            }
         }
     }
+    for (int64_t d = whole; d < D; d++)  /* a head size that is not a multiple of the vector */
+        for (int q = 0; q < M; q++) {
+            float acc = 0.f;
+            for (int64_t t = 0; t < len; t++) {
+                const int64_t row = slot_of(table, t, bs) * vstride + d;
+                acc += p[q * ld + t] * (v->scales ? (float)((const int8_t *)v->base)[row] : ((const float *)v->base)[row]);
+            }
+            out[q * D + d] = acc;
+        }
 }
 
 typedef struct {
     float *x, *qkv, *attn, *act;  /* shared by the team */
-    float *h, *scores;            /* per thread: this thread's copy of the normed rows, its softmax scores */
+    float *h;                     /* per thread: this thread's copy of the normed rows */
+    float *work;                  /* per thread: attention's queries, scores, value scales and outputs */
+    int64_t work_size;            /* floats of `work` per thread */
+    int8_t *q;                    /* per thread: an integer layer's input blocks (quant_size bytes), */
+    float *qd;                    /*   their scales and */
+    int32_t *qsum;                /*   their sums (quant_size / QBLOCK each) */
+    int64_t quant_size;
 } Scratch;
 
+INLINE QuantBuffers quant_of(const Scratch *s, const Team *t) {
+    const int64_t n = s->quant_size, blocks = 4 * n / QBLOCK;  /* (room for quantize_pairs' layout) */
+    const QuantBuffers buf = {s->q + t->tid * n, s->qd + t->tid * blocks, s->qsum + t->tid * blocks};
+    return buf;
+}
+
+/* What a step is: T tokens of B sequences, sequence b's tokens [cu_q[b], cu_q[b + 1]), each token's position;
+ * sequence b's block table at tables + b * table_stride. */
+typedef struct {
+    int64_t T, B, table_stride, max_len;
+    const int64_t *ids, *positions;
+    const int32_t *cu_q, *tables;
+} Batch;
+
+/* One task: sequence b's tokens against kv head g. The queries are gathered into the thread's work space,
+ * QMAX at a time. */
+static void attend(const Model *m, const Layer *l, const Batch *batch, int64_t b, int64_t g, const Scratch *s,
+                   const Team *team) {
+    const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, G = Hq / Hkv, bs = m->block_size;
+    const int64_t qkv_n = l->qkv.out, first = batch->cu_q[b], n = batch->cu_q[b + 1] - first;
+    const int32_t *table = batch->tables + b * batch->table_stride;
+    const Pool k = pool_of(l->k_cache, l->k_scales, g, Hkv, D), v = pool_of(l->v_cache, l->v_scales, g, Hkv, D);
+    const int64_t len = batch->positions[first + n - 1] + 1, ld = batch->max_len;
+    float *queries = s->work + team->tid * s->work_size, *out = queries + QMAX * D, *scores = out + QMAX * D;
+    float *vscale = l->v_scales ? scores + QMAX * ld : NULL;
+    if (vscale)
+        for (int64_t t = 0; t < len; t++) vscale[t] = f16_to_f32(v.scales[slot_of(table, t, bs) * v.scale_stride]);
+    for (int64_t q0 = 0; q0 < n * G; q0 += QMAX) {
+        const int M = (int)min64(QMAX, n * G - q0);
+        int64_t visible[QMAX];
+        for (int q = 0; q < M; q++) {  /* query q0 + q: token (q0 + q) / G, head g * G + (q0 + q) % G */
+            const int64_t token = first + (q0 + q) / G, head = g * G + (q0 + q) % G;
+            memcpy(queries + q * D, s->qkv + token * qkv_n + head * D, D * sizeof(float));
+            visible[q] = batch->positions[token] + 1;
+        }
+        score(&k, table, bs, len, queries, M, D, m->scale, scores, ld);
+        softmax_rows(scores, ld, M, visible, len, vscale);
+        mix_values(&v, table, bs, len, scores, ld, M, D, out);
+        for (int q = 0; q < M; q++) {
+            const int64_t token = first + (q0 + q) / G, head = g * G + (q0 + q) % G;
+            memcpy(s->attn + token * Hq * D + head * D, out + q * D, D * sizeof(float));
+        }
+    }
+}
+
 /* Every thread norms the rows itself into its own buffer: a few thousand flops instead of a barrier. */
-static float *norm_rows(const Model *m, const float *w, int64_t B, const Scratch *s, const Team *t) {
-    float *h = s->h + t->tid * B * m->hidden;
-    for (int64_t b = 0; b < B; b++) rms_norm(s->x + b * m->hidden, w, m->hidden, m->eps, h + b * m->hidden);
+static float *norm_rows(const Model *m, const float *w, int64_t T, const Scratch *s, const Team *t) {
+    float *h = s->h + t->tid * T * m->hidden;
+    for (int64_t i = 0; i < T; i++) rms_norm(s->x + i * m->hidden, w, m->hidden, m->eps, h + i * m->hidden);
     return h;
 }
 
-static void attention_block(const Model *m, const Layer *l, int64_t B, const int64_t *positions,
-                            const int32_t *tables, int64_t table_stride, const int32_t *seq_lens,
-                            const Scratch *s, int64_t max_len, const Team *team) {
-    const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, qkv_n = l->qkv.out;
-    int64_t lo, hi;
-    linear(team, &l->qkv, norm_rows(m, l->input_norm, B, s, team), B, s->qkv, 0);
-    sync_team(team);
-    /* q/k norm and rotary per (sequence, head), then the new K/V into the pool */
-    share(team, B, &lo, &hi);
-    for (int64_t b = lo; b < hi; b++) {
-        float *q = s->qkv + b * qkv_n, *k = q + Hq * D, *v = k + Hkv * D;
-        const float *cos = m->cos + positions[b] * D, *ssin = m->signed_sin + positions[b] * D;
-        for (int64_t h = 0; h < Hq + Hkv; h++) {
-            float *head = q + h * D;  /* q heads then k heads, side by side */
-            if (l->q_norm) rms_norm(head, h < Hq ? l->q_norm : l->k_norm, D, m->eps, head);
-            rotate(head, cos, ssin, D);
+/* q/k norm and rotary of token i, and its K/V into the pool. */
+static void place_token(const Model *m, const Layer *l, const Batch *batch, int64_t b, int64_t i, const Scratch *s) {
+    const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, pos = batch->positions[i];
+    float *q = s->qkv + i * l->qkv.out, *k = q + Hq * D, *v = k + Hkv * D;
+    const float *cos = m->cos + pos * D, *ssin = m->signed_sin + pos * D;
+    for (int64_t h = 0; h < Hq + Hkv; h++) {
+        float *head = q + h * D;  /* q heads then k heads, side by side */
+        if (l->q_norm) rms_norm(head, h < Hq ? l->q_norm : l->k_norm, D, m->eps, head);
+        rotate(head, cos, ssin, D);
+    }
+    const int64_t slot = slot_of(batch->tables + b * batch->table_stride, pos, m->block_size);
+    if (l->k_scales) {
+        for (int64_t g = 0; g < Hkv; g++) {
+            quantize_head(k + g * D, D, (int8_t *)l->k_cache + (slot * Hkv + g) * D, l->k_scales + slot * Hkv + g);
+            quantize_head(v + g * D, D, (int8_t *)l->v_cache + (slot * Hkv + g) * D, l->v_scales + slot * Hkv + g);
         }
-        const int64_t slot = slot_of(tables + b * table_stride, positions[b], m->block_size);
-        memcpy(l->k_cache + slot * Hkv * D, k, Hkv * D * sizeof(float));
-        memcpy(l->v_cache + slot * Hkv * D, v, Hkv * D * sizeof(float));
+    } else {
+        memcpy((float *)l->k_cache + slot * Hkv * D, k, Hkv * D * sizeof(float));
+        memcpy((float *)l->v_cache + slot * Hkv * D, v, Hkv * D * sizeof(float));
     }
+}
+
+static void attention_block(const Model *m, const Layer *l, const Batch *batch, const Scratch *s, const Team *team) {
+    const int64_t T = batch->T, Hkv = m->num_kv_heads;
+    int64_t lo, hi;
+    const QuantBuffers qb = quant_of(s, team);
+    linear(team, &l->qkv, norm_rows(m, l->input_norm, T, s, team), T, s->qkv, 0, &qb);
     sync_team(team);
-    share(team, B * Hkv, &lo, &hi);
-    for (int64_t i = lo; i < hi; i++) {
-        const int64_t b = i / Hkv, g = i % Hkv;
-        attend(m, l, s->qkv + b * qkv_n, tables + b * table_stride, seq_lens[b], g, s->attn + b * Hq * D,
-               s->scores + team->tid * max_len);
-    }
+    share(team, batch->B, &lo, &hi);
+    for (int64_t b = lo; b < hi; b++)
+        for (int64_t i = batch->cu_q[b]; i < batch->cu_q[b + 1]; i++) place_token(m, l, batch, b, i, s);
     sync_team(team);
-    linear(team, &l->o, s->attn, B, s->x, 1);
+    /* tasks claimed one at a time: their contexts differ in length */
+    while (claim_n(team, batch->B * Hkv, 1, &lo, &hi)) attend(m, l, batch, lo / Hkv, lo % Hkv, s, team);
+    sync_team(team);
+    linear(team, &l->o, s->attn, T, s->x, 1, &qb);
     sync_team(team);
 }
 
-static void mlp_block(const Model *m, const Layer *l, int64_t B, const Scratch *s, const Team *team) {
-    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, B, s, team), B, s->act);
+static void mlp_block(const Model *m, const Layer *l, int64_t T, const Scratch *s, const Team *team) {
+    const QuantBuffers qb = quant_of(s, team);
+    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, T, s, team), T, s->act, &qb);
     sync_team(team);
-    linear(team, &l->down, s->act, B, s->x, 1);
+    linear(team, &l->down, s->act, T, s->x, 1, &qb);
     sync_team(team);
 }
 
-/* Logits [B, vocab] of one decode step. Returns 0, or -1 when scratch memory could not be had. */
-API int pc_decode_step(const Model *m, int64_t B, const int64_t *ids, const int64_t *positions,
-                       const int32_t *tables, int64_t table_stride, const int32_t *seq_lens, float *logits,
-                       int num_threads) {
-    const int64_t H = m->hidden, qkv_n = m->layers[0].qkv.out, I = m->layers[0].down.in;
+/* Logits [T, vocab] of one step: T tokens of B sequences (sequence b's are cu_q[b] .. cu_q[b + 1] - 1, at
+ * consecutive positions ending at its last). Returns 0, or -1 when scratch memory could not be had. */
+API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *positions, int64_t B,
+                const int32_t *cu_q, const int32_t *tables, int64_t table_stride, float *logits, int num_threads) {
+    const int64_t H = m->hidden, D = m->head_dim, qkv_n = m->layers[0].qkv.out, I = m->layers[0].down.in;
     int64_t max_len = 1;
-    for (int64_t b = 0; b < B; b++) max_len = seq_lens[b] > max_len ? seq_lens[b] : max_len;
+    for (int64_t i = 0; i < T; i++) max_len = positions[i] + 1 > max_len ? positions[i] + 1 : max_len;
+    max_len = (max_len + 15) / 16 * 16;  /* scores rows start on a cache line */
     if (num_threads < 1) num_threads = 1;
-    const int64_t sizes[] = {B * H, B * qkv_n, B * m->num_heads * m->head_dim, B * I, num_threads * B * H,
-                             num_threads * max_len};
+    const int64_t work = 2 * QMAX * D + QMAX * max_len + max_len;
+    int64_t max_in = H > I ? H : I;
+    max_in = m->num_heads * D > max_in ? m->num_heads * D : max_in;
+    const int64_t quant = (T * max_in + 63) / 64 * 64, blocks = 4 * quant / QBLOCK;
+    const int64_t sizes[] = {T * H, T * qkv_n, T * m->num_heads * D, T * I, num_threads * T * H, num_threads * work,
+                             num_threads * quant / 4, num_threads * blocks, num_threads * blocks};
+    enum { PARTS = sizeof sizes / sizeof sizes[0] };
     int64_t total = 0;
-    for (int i = 0; i < 6; i++) total += (sizes[i] + 15) / 16 * 16;
+    for (int i = 0; i < PARTS; i++) total += (sizes[i] + 15) / 16 * 16;
     float *mem = aligned_alloc(64, total * sizeof(float));
     if (!mem) return -1;
-    float *parts[6], *p = mem;
-    for (int i = 0; i < 6; i++) {
+    float *parts[PARTS], *p = mem;
+    for (int i = 0; i < PARTS; i++) {
         parts[i] = p;
         p += (sizes[i] + 15) / 16 * 16;
     }
-    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5]};
-    for (int64_t b = 0; b < B; b++) memcpy(s.x + b * H, m->embed + ids[b] * H, H * sizeof(float));
+    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], work,
+                       (int8_t *)parts[6], parts[7], (int32_t *)parts[8], quant};
+    const Batch batch = {T, B, table_stride, max_len, ids, positions, cu_q, tables};
+    for (int64_t i = 0; i < T; i++) memcpy(s.x + i * H, m->embed + ids[i] * H, H * sizeof(float));
     Barrier barrier = {0, 0, 0, 0};
 #pragma omp parallel num_threads(num_threads)
     {
         const Team team = {omp_get_thread_num(), omp_get_num_threads(), &barrier};
         for (int64_t i = 0; i < m->num_layers; i++) {
-            attention_block(m, &m->layers[i], B, positions, tables, table_stride, seq_lens, &s, max_len, &team);
-            mlp_block(m, &m->layers[i], B, &s, &team);
+            attention_block(m, &m->layers[i], &batch, &s, &team);
+            mlp_block(m, &m->layers[i], T, &s, &team);
         }
-        linear(&team, &m->lm_head, norm_rows(m, m->norm, B, &s, &team), B, logits, 0);
+        const QuantBuffers qb = quant_of(&s, &team);
+        linear(&team, &m->lm_head, norm_rows(m, m->norm, T, &s, &team), T, logits, 0, &qb);
     }
     free(mem);
     return 0;
 }
 
+/* One linear layer on this thread: y [B, out] = x [B, in] @ weight.T (scaled, biased). The tests hold each
+ * weight format's tiles to torch with it, on the same input (a whole step's inputs differ by rounding). */
+API int pc_linear(const Linear *l, const float *x, int64_t B, float *y) {
+    const int64_t n = (B * l->in + 63) / 64 * 64;
+    int8_t *q = malloc(n);
+    float *d = malloc(4 * n / QBLOCK * sizeof(float));
+    int32_t *sum = malloc(4 * n / QBLOCK * sizeof(int32_t));
+    int rc = -1;
+    if (q && d && sum) {
+        const QuantBuffers buf = {q, d, sum};
+        Barrier barrier = {0, 0, 0, 0};
+        const Team team = {0, 1, &barrier};
+        linear(&team, l, x, B, y, 0, &buf);
+        rc = 0;
+    }
+    free(q), free(d), free(sum);
+    return rc;
+}
+
+/* quantize_head over `heads` rows of D: the tests hold it to kernels/kv_quant.py bit for bit. */
+API void pc_quantize_heads(const float *x, int64_t heads, int64_t D, int8_t *q, uint16_t *scales) {
+    for (int64_t h = 0; h < heads; h++) quantize_head(x + h * D, D, q + h * D, scales + h);
+}
+
 /* The struct sizes the Python side checks its ctypes mirrors against. */
 API int64_t pc_sizeof_model(void) { return sizeof(Model); }
 API int64_t pc_sizeof_layer(void) { return sizeof(Layer); }
+/* What this build was compiled for: the vector ISA and the linear layers' tile shape. */
+API const char *pc_build_info(void) {
+    return ISA_NAME " vw=" STR(VW) " tile=" STR(TILE_R) "x" STR(MAX_NB) " rows1=" STR(ROWS_1);
+}

@@ -1,9 +1,10 @@
-"""The native decode step (decode.c) bound to one loaded Llama-family model and its pool's caches.
+"""The native step (decode.c) bound to one loaded Llama-family model and its pool's caches.
 
-`NativeDecode.bind(model, k_caches, v_caches, block_size)` returns None for what the C step does not cover, and the
-runner keeps the torch path for those: another family (Gemma, MoE, Phi-3's partial rotary), sliding-window
-layer groups, a dtype other than fp32 (its weights; int8 layers keep fp32 activations), a device other than
-CPU, or no compiler. The structs below mirror decode.c's; their sizes are checked against the library's.
+`NativeDecode.bind(model, k_caches, v_caches, block_size, k_scales=None, v_scales=None)` returns None for what
+the C step does not cover, and the runner keeps the torch path for those: another family (Gemma, MoE, Phi-3's
+partial rotary), sliding-window layer groups, a dtype other than fp32 (its weights, beside int8 and int4
+layers; its pool, beside int8 K/V with float16 scales), a device other than CPU, or no compiler. The structs
+below mirror decode.c's; their sizes are checked against the library's.
 """
 
 from __future__ import annotations
@@ -12,24 +13,30 @@ import ctypes
 import mmap
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
 
 import torch
 from torch import nn
 
 from pagedchat.native import build
+from pagedchat.native.paths import PathChoice
 
 _ptr = c_void_p
 
 
+FMT_F32, FMT_I8, FMT_I4 = 0, 1, 2  # decode.c's weight formats
+
+
 class _Linear(ctypes.Structure):
-    _fields_ = [("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", c_int64), ("in_", c_int64)]
+    _fields_ = [("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", c_int64), ("in_", c_int64),
+                ("format", c_int64)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("k_cache", _ptr), ("v_cache", _ptr), ("k_scales", _ptr), ("v_scales", _ptr)]
 
 
 class _Model(ctypes.Structure):
@@ -42,33 +49,82 @@ class _Model(ctypes.Structure):
 MAX_HEAD_DIM = 1024  # decode.c's rotary scratch
 
 
+def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is None or (t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu")
+
+
 def _fp32(t: torch.Tensor | None) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu")
+    return _plain(t, torch.float32)
+
+
+def _pool_fits(k_caches, v_caches, k_scales, v_scales) -> bool:
+    """fp32 caches, or int8 caches with one float16 scale per (slot, kv head) (kernels/kv_quant.py)."""
+    if k_scales is None and v_scales is None:
+        return all(_fp32(t) for t in (*k_caches, *v_caches))
+    if k_scales is None or v_scales is None or not len(k_scales) == len(v_scales) == len(k_caches):
+        return False
+    return all(_plain(t, torch.int8) for t in (*k_caches, *v_caches)) \
+        and all(_plain(s, torch.float16) and s.shape == c.shape[:-1]
+                for s, c in zip((*k_scales, *v_scales), (*k_caches, *v_caches)))
 
 
 def _addr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _int4_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(packed, scales) of an int4 layer (pagedchat/model/int4.py's layout: uint8 [out, in / 2], float16
+    [out, in / 32]), found by those tensors on the module whatever its class."""
+    from pagedchat.model.int4 import GROUP
+
+    packed, scales = getattr(module, "packed", None), getattr(module, "scales", None)
+    if not isinstance(packed, torch.Tensor) or not isinstance(scales, torch.Tensor) or packed.dim() != 2:
+        return None
+    if not (_plain(packed, torch.uint8) and _plain(scales, torch.float16)) \
+            or scales.shape != (packed.shape[0], packed.shape[1] * 2 // GROUP):
+        return None
+    return packed, scales
+
+
 def _linear(module: nn.Module) -> _Linear | None:
-    """A plain, oneDNN-packed (its plain weight) or int8 layer; None for anything else."""
+    """A plain, oneDNN-packed (its plain weight), int8 or int4 layer; None for anything else."""
     from pagedchat.model.packed import PackedLinear
     from pagedchat.model.quantize import Int8Linear
 
     bias = getattr(module, "bias", None)
-    if isinstance(module, Int8Linear):
-        w, scales = module.weight, module.scales
+    int4 = _int4_tensors(module)
+    if int4 is not None:
+        (w, scales), fmt = int4, FMT_I4
+        out, in_ = w.shape[0], w.shape[1] * 2
+    elif isinstance(module, Int8Linear):
+        w, scales, fmt = module.weight, module.scales, FMT_I8
         if w.dtype != torch.int8 or not w.is_contiguous() or not _fp32(scales):
             return None
+        out, in_ = w.shape
     elif isinstance(module, (nn.Linear, PackedLinear)):
-        w, scales = module.weight, None
+        w, scales, fmt = module.weight, None, FMT_F32
         if not _fp32(w):
             return None
+        out, in_ = w.shape
     else:
         return None
     if not _fp32(bias):
         return None
-    return _Linear(_addr(w), _addr(scales), _addr(bias), w.shape[0], w.shape[1])
+    return _Linear(_addr(w), _addr(scales), _addr(bias), out, in_, fmt)
+
+
+def run_linear(module: nn.Module, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """module(x) through decode.c's tiles on this thread (x [B, in] fp32): how the tests hold each weight
+    format's arithmetic to torch's on the same input."""
+    lib = lib or build.load(wait=True)
+    layer = _linear(module)
+    assert lib is not None and layer is not None, "no native library, or a layer it does not take"
+    x = x.float().contiguous()
+    y = torch.empty((x.shape[0], layer.out), dtype=torch.float32)
+    lib.pc_linear.argtypes = [POINTER(_Linear), _ptr, c_int64, _ptr]
+    if lib.pc_linear(ctypes.byref(layer), x.data_ptr(), x.shape[0], y.data_ptr()) != 0:
+        raise MemoryError("native linear: no memory for its scratch buffers")
+    return y
 
 
 HUGE_PAGE = 2 << 20
@@ -92,7 +148,7 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
     mapping, mmap's default, measured slower than either: it must be MAP_PRIVATE.) The modules' tensors are
     rebound to views of the arena (values unchanged); returns the arena, which must outlive them, or None when
     there is nothing to gather."""
-    tensors = [m.weight for m in modules]
+    tensors = [m.packed if _int4_tensors(m) is not None else m.weight for m in modules]
     offsets, total = [], 0
     for t in tensors:
         offsets.append(total)
@@ -110,6 +166,8 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
         view.copy_(t)
         if isinstance(t, nn.Parameter):
             t.data = view  # every holder of the parameter (a tied embedding, PackedLinear) sees the arena
+        elif t is getattr(module, "packed", None):
+            module.packed = view  # an int4 layer's registered buffer
         else:
             module.weight = view  # a registered buffer (Int8Linear)
     return arena
@@ -204,15 +262,17 @@ class _Choice:
 class NativeDecode:
     """Runs a decode step through decode.c; holds the tensors it points into so they stay alive."""
 
-    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list):
+    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list, paths: PathChoice):
         self.lib, self.struct, self.layers, self.keep = lib, model_struct, layers, keep
         self.vocab = model_struct.vocab
         self.threads: ThreadChoice | None = None
-        lib.pc_decode_step.restype = c_int
-        lib.pc_decode_step.argtypes = [POINTER(_Model), c_int64, _ptr, _ptr, _ptr, c_int64, _ptr, _ptr, c_int]
+        self.paths = paths  # native or torch, per kind and size of step (pagedchat/native/paths.py)
+        lib.pc_step.restype = c_int
+        lib.pc_step.argtypes = [POINTER(_Model), c_int64, _ptr, _ptr, c_int64, _ptr, _ptr, c_int64, _ptr, c_int]
 
     @staticmethod
-    def supports(model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> bool:
+    def supports(model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                 k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None) -> bool:
         """Whether decode.c covers this model and pool (the library aside)."""
         from pagedchat.model.layers import RotaryEmbedding
         from pagedchat.model.llama import LlamaFamilyModel
@@ -223,7 +283,7 @@ class NativeDecode:
         if spec.head_dim > MAX_HEAD_DIM or len(k_caches) != spec.num_layers:
             return False
         if not all(_fp32(t) for t in (model.embed_tokens.weight, model.norm.weight, model.rotary.cos,
-                                       model.rotary.signed_sin, *k_caches, *v_caches)):
+                                       model.rotary.signed_sin)) or not _pool_fits(k_caches, v_caches, k_scales, v_scales):
             return False
         for i, layer in enumerate(model.layers):
             attn = layer.self_attn
@@ -236,10 +296,12 @@ class NativeDecode:
         return all(_linear(m) is not None for m in _weights_in_step_order(model))
 
     @classmethod
-    def bind(cls, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-             block_size: int) -> "NativeDecode | None":
-        """The native step for this model, or None: not supported, or no library (yet: build.building())."""
-        if not cls.supports(model, k_caches, v_caches):
+    def bind(cls, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_size: int,
+             k_scales: list[torch.Tensor] | None = None,
+             v_scales: list[torch.Tensor] | None = None) -> "NativeDecode | None":
+        """The native step for this model, or None: not supported, or no library (yet: build.building()).
+        k_scales / v_scales: an int8 pool's float16 scales per layer, [num_blocks, block_size, kv_heads]."""
+        if not cls.supports(model, k_caches, v_caches, k_scales, v_scales):
             return None
         lib = build.load()
         if lib is None or lib.pc_sizeof_model() != ctypes.sizeof(_Model) \
@@ -253,30 +315,51 @@ class NativeDecode:
             linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             qk = [attn.q_norm.weight, attn.k_norm.weight] if spec.qk_norm else [None, None]
-            layers[i] = _Layer(*(_addr(t) for t in norms + qk), *linears, _addr(k_caches[i]), _addr(v_caches[i]))
+            scales = [k_scales[i], v_scales[i]] if k_scales is not None else [None, None]
+            layers[i] = _Layer(*(_addr(t) for t in norms + qk), *linears,
+                               *(_addr(t) for t in [k_caches[i], v_caches[i], *scales]))
         lm_head = _linear(model.lm_head)
         struct = _Model(spec.hidden_size, spec.num_layers, spec.num_heads,
                         spec.num_kv_heads, spec.head_dim, spec.vocab_size, block_size, spec.rms_norm_eps,
                         model.layers[0].self_attn.attn.scale, _addr(model.embed_tokens.weight),
                         _addr(model.norm.weight), lm_head, _addr(model.rotary.cos), _addr(model.rotary.signed_sin),
                         layers)
-        return cls(lib, struct, layers, [model, k_caches, v_caches, arena])
+        signature = "|".join(str(x) for x in (
+            f"hidden={spec.hidden_size}", f"layers={spec.num_layers}", f"heads={spec.num_heads}/{spec.num_kv_heads}",
+            f"head_dim={spec.head_dim}", f"ffn={spec.intermediate_size}", f"vocab={spec.vocab_size}",
+            "weights=" + ",".join(sorted({str(layers[0].qkv.format), str(lm_head.format)})),
+            f"pool={'int8' if k_scales is not None else 'fp32'}"))
+        paths = PathChoice(Path(lib._name).with_suffix(".paths.json"), signature)
+        return cls(lib, struct, layers, [model, k_caches, v_caches, k_scales, v_scales, arena], paths)
+
+    def use_native(self, tokens: int, seqs: int) -> bool:
+        """Whether a step of this many tokens and sequences should take the native path (measured)."""
+        return self.paths.use_native(tokens, seqs, torch.get_num_threads())
+
+    def torch_took(self, tokens: int, seqs: int, seconds: float) -> None:
+        """The wall time of a step this could have run, on the torch path: for PathChoice's trials."""
+        self.paths.record(tokens, seqs, torch.get_num_threads(), False, seconds)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-             seq_lens: torch.Tensor) -> torch.Tensor:
-        """Logits [B, vocab] of a decode step (one new token per sequence, its K/V written into the pool)."""
-        assert ids.dtype == positions.dtype == torch.int64 and block_tables.dtype == seq_lens.dtype == torch.int32
+             cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+        """Logits [T, vocab] of a step whose every token is sampled: sequence b's tokens are rows
+        cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, at consecutive positions ending at its last (one for a
+        decode step, k + 1 for a verify step); their K/V are written into the pool."""
+        assert ids.dtype == positions.dtype == torch.int64 and block_tables.dtype == cu_seqlens_q.dtype == torch.int32
         assert block_tables.is_contiguous() and ids.is_contiguous() and positions.is_contiguous()
-        batch, budget = ids.shape[0], torch.get_num_threads()
+        assert cu_seqlens_q.is_contiguous() and cu_seqlens_q.shape[0] == block_tables.shape[0] + 1
+        tokens, budget = ids.shape[0], torch.get_num_threads()
         if self.threads is None or self.threads.options[0] != budget:  # (the budget was changed: start over)
             self.threads = ThreadChoice(budget)
-        threads = self.threads.pick(batch)
-        logits = torch.empty((batch, self.vocab), dtype=torch.float32)
+        threads = self.threads.pick(tokens)
+        logits = torch.empty((tokens, self.vocab), dtype=torch.float32)
         wall, cpu = time.perf_counter(), time.process_time()
-        rc = self.lib.pc_decode_step(ctypes.byref(self.struct), batch, ids.data_ptr(), positions.data_ptr(),
-                                     block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(),
-                                     logits.data_ptr(), threads)
-        self.threads.record(batch, threads, time.perf_counter() - wall, time.process_time() - cpu)
+        rc = self.lib.pc_step(ctypes.byref(self.struct), tokens, ids.data_ptr(), positions.data_ptr(),
+                              block_tables.shape[0], cu_seqlens_q.data_ptr(), block_tables.data_ptr(),
+                              block_tables.shape[1], logits.data_ptr(), threads)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        self.threads.record(tokens, threads, wall, cpu)
+        self.paths.record(tokens, block_tables.shape[0], budget, True, wall)
         if rc != 0:
             raise MemoryError("native decode step: no memory for its scratch buffers")
         return logits

@@ -220,8 +220,10 @@ class ModelRunner:
         (1 + len(draft_ids) rows for a sequence with drafts, in batch order)."""
         self.copy_blocks(batch.copies)
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
-        if self._native_fits(batch, meta, sample_rows):
-            return self.native.step(ids, positions, meta.block_tables, meta.seq_lens), samplers
+        native = self._native_fits(batch, ids, meta, sample_rows)
+        if native and self.native.use_native(ids.shape[0], len(batch.items)):  # (measured: native/paths.py)
+            return self.native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q), samplers
+        start = time.perf_counter()
         if self.graphs is not None and self.graphs.fits(ids.shape[0], max(n for _, n in batch.items)):
             hidden = self.graphs.replay(ids, positions, meta)
         else:
@@ -230,9 +232,12 @@ class ModelRunner:
         if not sample_rows:
             return None, []
         if len(sample_rows) == hidden.shape[0]:  # every row, in order (a decode step): no copy, no gather
-            return self.model.compute_logits(hidden), samplers
-        rows = torch.tensor(sample_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]), samplers
+            logits = self.model.compute_logits(hidden)
+        else:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        if native:
+            self.native.torch_took(ids.shape[0], len(batch.items), time.perf_counter() - start)
+        return logits, samplers
 
     def _bind_native(self) -> None:
         now = time.monotonic()
@@ -244,13 +249,16 @@ class ModelRunner:
         self.native = NativeDecode.bind(self.model, self.k_caches, self.v_caches, self.block_size)
         self._native_next_try = now + NATIVE_RETRY_S if self.native is None and build.building() else None
 
-    def _native_fits(self, batch: ScheduledBatch, meta: AttentionMetadata, sample_rows: list[int]) -> bool:
-        """A plain decode step the native step can run whole: every sequence samples its one new token, no
-        prompt is scored or pooled (they need the hidden states), and the attention layers are still on the
-        torch twins (tests put them on the Triton kernels to run those end to end)."""
-        if self.native is None and meta.is_decode:
+    def _native_fits(self, batch: ScheduledBatch, ids: torch.Tensor, meta: AttentionMetadata,
+                     sample_rows: list[int]) -> bool:
+        """A step the native step can run whole: every scheduled token is sampled (decode steps, beams, the
+        verify steps of speculative decoding), no prompt is scored or pooled (they need the hidden states),
+        and the attention layers are still on the torch twins (tests put them on the Triton kernels to run
+        those end to end)."""
+        every_row = len(sample_rows) == ids.shape[0]
+        if self.native is None and every_row:
             self._bind_native()
-        return self.native is not None and meta.is_decode and len(sample_rows) == len(batch.items) \
+        return self.native is not None and every_row \
             and all(seq.request.params.prompt_logprobs is None and not seq.request.params.embed
                     for seq, _ in batch.items) \
             and all(layer.backend == "torch" for layer in self.attention_layers)
