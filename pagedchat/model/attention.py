@@ -28,13 +28,15 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.k_cache = self.v_cache = torch.empty(0)  # bound to the pool by the runner
+        self.k_scale = self.v_scale = None  # a quantized pool's scales (kernels/kv_quant.py), bound with them
         self.backend = "auto"  # the runner sets "torch" on CPU so TRITON_INTERPRET never slows the engine
 
     def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
-        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=self.backend)
+        scales = {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=self.backend, **scales)
         if meta.is_decode:
             return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables,
-                                                  meta.seq_lens, self.scale, backend=self.backend)
+                                                  meta.seq_lens, self.scale, backend=self.backend, **scales)
         return kernels.paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables,
                                                meta.cu_seqlens_q, meta.seq_lens, self.scale,
-                                               backend=self.backend)
+                                               backend=self.backend, **scales)

@@ -237,9 +237,12 @@ class NativeDecode:
 
     @classmethod
     def bind(cls, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-             block_size: int) -> "NativeDecode | None":
-        """The native step for this model, or None: not supported, or no library (yet: build.building())."""
-        if not cls.supports(model, k_caches, v_caches):
+             block_size: int, k_scales: list[torch.Tensor] | None = None,
+             v_scales: list[torch.Tensor] | None = None) -> "NativeDecode | None":
+        """The native step for this model, or None: not supported, or no library (yet: build.building()).
+        k_scales / v_scales: a quantized pool's scales (pagedchat/kernels/kv_quant.py); decode.c reads fp32
+        caches only so far, so a quantized pool gets None (the runner does not even ask yet)."""
+        if k_scales is not None or v_scales is not None or not cls.supports(model, k_caches, v_caches):
             return None
         lib = build.load()
         if lib is None or lib.pc_sizeof_model() != ctypes.sizeof(_Model) \
