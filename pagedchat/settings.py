@@ -70,7 +70,7 @@ def load_engine(opts: ModelOptions, show_progress: bool = True):
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     template = _read_template(entry.table["chat_template"], entry) if entry.table.get("chat_template") else None
-    from pagedchat.engine import Engine, EngineConfig  # (torch loads here: the checks above come first)
+    from pagedchat.engine import Engine, EngineConfig
 
     try:
         config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
@@ -99,8 +99,8 @@ def quantize_setting(opts: ModelOptions, entry) -> str | None:
 
 
 def kv_dtype_setting(opts: ModelOptions, entry) -> str:
-    """--kv-dtype over the models.toml key, checked before torch loads (fp8 on an explicit --device cpu;
-    with --device auto the engine checks the device it finds, before the weights load)."""
+    """--kv-dtype over the models.toml key, checked before the engine is built (fp8 on an explicit --device
+    cpu; with --device auto the engine checks the device it finds, before the weights load)."""
     from pagedchat.dtypes import kv_dtype_problem
 
     setting = entry.get("kv_dtype", "auto")
