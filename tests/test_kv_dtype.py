@@ -198,6 +198,28 @@ def test_a_quantized_block_is_never_read_as_another_kv_dtype(model_dirs, tmp_pat
     assert_greedy_equal(tokens, *reference(model_dirs["llama"][1], prompt, TOKENS))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_cuda_quantized_pool_equals_transformers_over_the_same_quantized_cache(model_dirs, kv_dtype):
+    """On a GPU (skipped without one): fp32 weights, an int8 or fp8 pool (the torch twins until the Triton
+    kernels read quantized caches), against transformers on the CPU with the same quantized cache; and a
+    bf16 model's fp8 pool holds about twice the tokens of its bf16 pool in the same memory."""
+    from pagedchat.kernels.kv_quant import KV_DTYPES
+
+    path, hf = model_dirs["llama"]
+    engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_blocks=512, kv_dtype=kv_dtype),
+                    show_progress=False)
+    assert engine.runner.kv.dtype == KV_DTYPES[kv_dtype] and engine.runner.kv.k_caches[0].is_cuda
+    outs = engine.generate(PROMPTS, GREEDY)
+    with quantized_kv_cache(KV_DTYPES[kv_dtype]):
+        for prompt, out in zip(PROMPTS, outs):
+            assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, TOKENS))
+    engine.check_invariants()
+    sizes = {kv: Engine(EngineConfig(model=str(path), device="cuda", kv_dtype=kv, kv_memory="64MiB"),
+                        show_progress=False).runner.num_blocks for kv in ("auto", kv_dtype)}
+    assert sizes[kv_dtype] >= 1.75 * sizes["auto"]   # head dim 16 here: 2 x 16 / (16 + 2) = 1.78
+
+
 # -- options --------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("command", ["run", "chat", "serve"])
 def test_every_model_command_takes_kv_dtype(typer_cli, command):
