@@ -10,12 +10,18 @@ Layouts (shared with the Triton kernels):
     block_tables      int32 [B, max_blocks]      (entries past a sequence's length are ignored)
     seq_lens          int32 [B]                  (number of tokens whose K/V are in the cache)
     slot              block_id * block_size + offset
+
+A quantized pool (kv_quant.py) keeps int8 / float8 values in the caches plus k_scale, v_scale [num_blocks,
+block_size, num_kv_heads] float16: every function here takes them as `k_scale=` / `v_scale=` and reads
+values * scale (writes quantize). Without scales the caches hold the model's dtype.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .kv_quant import dequantize_kv, is_quantized, quantize_kv
 
 # Above this many fp32 score elements per prefill call, queries are processed in chunks, bounding the
 # memory of SDPA's math fallback (fp64 oracle, explicit masks) on a long prompt.
@@ -30,25 +36,36 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Gather the first `num_tokens` slots of the blocks in `block_table`: one index op for the whole batch.
 
-    cache [num_blocks, block_size, Hkv, D], block_table [..., max_blocks] -> [..., num_tokens, Hkv, D].
+    cache [num_blocks, block_size, Hkv, D], block_table [..., max_blocks] -> [..., num_tokens, Hkv, D]
+    (a scale tensor [num_blocks, block_size, Hkv] -> [..., num_tokens, Hkv]).
     Table entries that are not needed for `num_tokens` are never read (they may be garbage or -1).
     """
     block_size = cache.shape[1]
     num_blocks = -(-num_tokens // block_size)
     table = block_table[..., :num_blocks].long()
-    kv = cache[table]  # [..., num_blocks, block_size, Hkv, D]
-    kv = kv.flatten(-4, -3)  # [..., num_blocks * block_size, Hkv, D]
-    return kv[..., :num_tokens, :, :]
+    kv = _bytes(cache)[table].view(cache.dtype)  # [..., num_blocks, block_size, Hkv(, D)]
+    kv = kv.flatten(table.dim() - 1, table.dim())  # [..., num_blocks * block_size, Hkv(, D)]
+    return kv.narrow(table.dim() - 1, 0, num_tokens)
 
 
-def _heads_major(kv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[..., L, Hkv, D] -> [..., Hkv, L, D] in `dtype` (a view where no cast is needed)."""
+def _heads_major(kv: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """[..., L, Hkv, D] -> [..., Hkv, L, D] in `dtype` (a view where no cast is needed). `scale` [..., L, Hkv]:
+    the values are quantized, and read as values * scale."""
+    if scale is not None:
+        kv = dequantize_kv(kv, scale, dtype)
     return kv.to(dtype).transpose(-3, -2)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """One-byte (quantized) values are moved as raw bytes: float8 lacks some index kernels (index_copy_ on
+    CPU), and a byte copy is the same copy."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence over its paged context: q [B, Hq, D] -> out [B, Hq, D].
 
     Sequences of similar length share one padded gather and one fused SDPA call (GQA without repeating K/V);
@@ -59,20 +76,20 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     assert num_q_heads % k_cache.shape[2] == 0, "Hq must be a multiple of Hkv"
     plan = _decode_plan(block_tables, seq_lens, k_cache.shape[1], q.device)
     acc = compute_dtype(q.dtype)
+    caches = (k_cache, v_cache, k_scale, v_scale)
     if len(plan.groups) == 1 and plan.groups[0].rows is None:
-        return _into(out, _attend_group(q, k_cache, v_cache, plan.groups[0], scale, acc))
+        return _into(out, _attend_group(q, caches, plan.groups[0], scale, acc))
     result = q.new_zeros(q.shape)  # rows of empty sequences stay zero
     for group in plan.groups:
-        result.index_copy_(0, group.rows, _attend_group(q.index_select(0, group.rows), k_cache, v_cache, group,
-                                                        scale, acc))
+        result.index_copy_(0, group.rows, _attend_group(q.index_select(0, group.rows), caches, group, scale, acc))
     return _into(out, result)
 
 
-def _attend_group(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: "_DecodeGroup",
-                  scale: float, acc: torch.dtype) -> torch.Tensor:
-    k, v = group.gather(k_cache), group.gather(v_cache)  # [n, L, Hkv, D]
-    o = F.scaled_dot_product_attention(q.to(acc).unsqueeze(2), _heads_major(k, acc), _heads_major(v, acc),
-                                       attn_mask=_mask(group.mask, acc), scale=scale, enable_gqa=True)  # [n, Hq, 1, D]
+def _attend_group(q: torch.Tensor, caches: tuple, group: "_DecodeGroup", scale: float,
+                  acc: torch.dtype) -> torch.Tensor:
+    k, v = group.keys_and_values(*caches, acc)  # [n, Hkv, L, D]
+    o = F.scaled_dot_product_attention(q.to(acc).unsqueeze(2), k, v, attn_mask=_mask(group.mask, acc), scale=scale,
+                                       enable_gqa=True)  # [n, Hq, 1, D]
     return o.view(q.shape).to(q.dtype)
 
 
@@ -124,11 +141,16 @@ class _DecodeGroup:
                 self.first_slot = ids[0] * block_size
 
     def gather(self, cache: torch.Tensor) -> torch.Tensor:
-        """[n, max_len, Hkv, D]: the group's slots of `cache`."""
+        """[n, max_len, Hkv, D]: the group's slots of `cache` (of a scale tensor: [n, max_len, Hkv])."""
         flat = _flat_slots(cache)
         if self.first_slot is not None:
             return flat.narrow(0, self.first_slot, self.max_len).view(*self.shape, *cache.shape[2:])
-        return flat.index_select(0, self.slots).view(*self.shape, *cache.shape[2:])
+        return _bytes(flat).index_select(0, self.slots).view(cache.dtype).view(*self.shape, *cache.shape[2:])
+
+    def keys_and_values(self, k_cache, v_cache, k_scale, v_scale, dtype: torch.dtype):
+        """The group's K and V as [n, Hkv, max_len, D] in `dtype` (dequantized when scales are given)."""
+        return tuple(_heads_major(self.gather(cache), dtype, None if scales is None else self.gather(scales))
+                     for cache, scales in ((k_cache, k_scale), (v_cache, v_scale)))
 
 
 class _DecodePlan:
@@ -183,7 +205,8 @@ def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
                                 seq_lens: torch.Tensor, scale: float,
-                                out: torch.Tensor | None = None) -> torch.Tensor:
+                                out: torch.Tensor | None = None, *, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged context (new tokens included).
 
     q [total_q, Hq, D]; sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1], which are the LAST
@@ -199,7 +222,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
     most_rows = max(b - a for a, b in zip(starts, starts[1:]))
     if most_rows <= _SHORT_EXTEND and (len(lens) > 1 or most_rows < lens[0]):
         plan = _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, k_cache.shape[1], q.device)
-        return _into(out, _short_extend(q, k_cache, v_cache, plan, scale, acc))
+        return _into(out, _short_extend(q, (k_cache, v_cache, k_scale, v_scale), plan, scale, acc))
     result = out if out is not None else torch.empty_like(q)
     for i, ctx_len in enumerate(lens):
         q_start, q_end = starts[i], starts[i + 1]
@@ -207,8 +230,10 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         if num_new == 0:
             continue
         assert num_new <= ctx_len, "query tokens are the last tokens of the context"
-        k = _heads_major(gather_kv(k_cache, block_tables[i].to(q.device), ctx_len), acc)  # [Hkv, L, D]
-        v = _heads_major(gather_kv(v_cache, block_tables[i].to(q.device), ctx_len), acc)
+        table = block_tables[i].to(q.device)
+        k, v = (_heads_major(gather_kv(cache, table, ctx_len), acc,
+                             None if scales is None else gather_kv(scales, table, ctx_len))  # [Hkv, L, D]
+                for cache, scales in ((k_cache, k_scale), (v_cache, v_scale)))
         chunk = num_new if acc == torch.float32 else max(1, _MAX_SCORE_ELEMENTS // (num_q_heads * ctx_len))
         for c0 in range(0, num_new, chunk):
             c1 = min(num_new, c0 + chunk)
@@ -283,42 +308,52 @@ def _extend_plan(block_tables, cu_seqlens_q, seq_lens, starts, lens, block_size,
     return _last_extend
 
 
-def _short_extend(q, k_cache, v_cache, plan: _ExtendPlan, scale: float, acc: torch.dtype) -> torch.Tensor:
+def _short_extend(q, caches: tuple, plan: _ExtendPlan, scale: float, acc: torch.dtype) -> torch.Tensor:
     """Every sequence's query rows padded to [B, Hq, M, D] against its gathered context (padding slots read
-    the sequence's own first slot and are masked)."""
+    the sequence's own first slot and are masked). caches: (k_cache, v_cache, k_scale, v_scale)."""
     batch, (total_q, num_q_heads, head_dim) = plan.keys.shape[0], q.shape
-    k, v = plan.keys.gather(k_cache), plan.keys.gather(v_cache)
+    k, v = plan.keys.keys_and_values(*caches, acc)
     if plan.flat is None:
         padded = q.to(acc)
     else:
         padded = q.new_zeros((batch * plan.rows, num_q_heads, head_dim), dtype=acc)
         padded[plan.flat] = q.to(acc)
     padded = padded.view(batch, plan.rows, num_q_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(padded, _heads_major(k, acc), _heads_major(v, acc),
-                                       attn_mask=_mask(plan.mask, acc), scale=scale, enable_gqa=True)  # [B, Hq, M, D]
+    o = F.scaled_dot_product_attention(padded, k, v, attn_mask=_mask(plan.mask, acc), scale=scale,
+                                       enable_gqa=True)  # [B, Hq, M, D]
     o = o.transpose(1, 2).reshape(batch * plan.rows, num_q_heads, head_dim)
     return (o if plan.flat is None else o[plan.flat]).to(q.dtype)
 
 
 def _flat_slots(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, Hkv, D] -> [num_slots, Hkv, D] view (writes must reach the cache)."""
-    return cache.view(cache.shape[0] * cache.shape[1], cache.shape[2], cache.shape[3])
+    """[num_blocks, block_size, Hkv(, D)] -> [num_slots, Hkv(, D)] view (writes must reach the cache)."""
+    return cache.view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
 
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-    """Scatter k, v [N, Hkv, D] into slot_mapping[N]; a negative slot means "skip" (padding)."""
+                 slot_mapping: torch.Tensor, *, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
+    """Scatter k, v [N, Hkv, D] into slot_mapping[N]; a negative slot means "skip" (padding). With scales,
+    each (token, head) is quantized to the caches' dtype and its scale written beside it."""
     assert k.shape == v.shape and k.shape[0] == slot_mapping.shape[0]
+    assert (k_scale is not None) == (v_scale is not None) == is_quantized(k_cache), \
+        "a quantized cache needs its scales (and a float one has none)"
     slots = slot_mapping.to(k_cache.device).long()
     if slots.numel() and int(slots.min()) < 0:  # padding rows (CUDA-graph batches): drop them first
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
-    _flat_slots(k_cache).index_copy_(0, slots, k.to(k_cache.dtype))
-    _flat_slots(v_cache).index_copy_(0, slots, v.to(v_cache.dtype))
+    for x, cache, scales in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if scales is None:
+            _flat_slots(cache).index_copy_(0, slots, x.to(cache.dtype))
+        else:
+            values, x_scale = quantize_kv(x, cache.dtype)
+            _bytes(_flat_slots(cache)).index_copy_(0, slots, _bytes(values))
+            _flat_slots(scales).index_copy_(0, slots, x_scale)
 
 
-def copy_blocks_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, src, dst) -> None:
-    """Copy whole blocks src[i] -> dst[i] of one layer's caches (copy-on-write).
+def copy_blocks_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, src, dst, *, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> None:
+    """Copy whole blocks src[i] -> dst[i] of one layer's caches (copy-on-write), and their scales with them.
 
     src and dst are int lists or integer tensors; a dst must not also be a src (fresh COW blocks).
     """
@@ -327,5 +362,7 @@ def copy_blocks_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, src, dst) -> N
     assert src.shape == dst.shape
     if src.numel() == 0:
         return
-    k_cache[dst] = k_cache[src]
-    v_cache[dst] = v_cache[src]
+    for cache in (k_cache, v_cache, k_scale, v_scale):
+        if cache is not None:
+            raw = _bytes(cache)
+            raw[dst] = raw[src]

@@ -4,22 +4,28 @@ Window semantics (transformers'): the query at position p sees keys j with p - w
 before a sequence's window are never read, not even through its block table: for window layers the pool
 releases those blocks, and their table entries may point anywhere.
 Soft-capping: scores become softcap * tanh(scores / softcap) before the mask and softmax.
-Same layouts as reference.py; one sequence at a time (these paths serve the families that need them).
+Same layouts as reference.py (a quantized pool's `k_scale` / `v_scale` included); one sequence at a time
+(these paths serve the families that need them).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .reference import _heads_major, _into, compute_dtype
+from .reference import _bytes, _heads_major, _into, compute_dtype
 
 
-def _keys(cache: torch.Tensor, table: torch.Tensor, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-    """Keys lo..hi-1 of one sequence, reading only the blocks that hold them -> [Hkv, hi - lo, D]."""
+def _slots(cache: torch.Tensor, table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Slots lo..hi-1 of one sequence, reading only the blocks that hold them -> [hi - lo, Hkv(, D)]."""
     bs = cache.shape[1]
     blocks = table[lo // bs: -(-hi // bs)].long()
-    kv = cache[blocks].flatten(0, 1)[lo - lo // bs * bs: hi - lo // bs * bs]
-    return _heads_major(kv, dtype)
+    return _bytes(cache)[blocks].view(cache.dtype).flatten(0, 1)[lo - lo // bs * bs: hi - lo // bs * bs]
+
+
+def _keys(cache: torch.Tensor, scales: torch.Tensor | None, table: torch.Tensor, lo: int, hi: int,
+          dtype: torch.dtype) -> torch.Tensor:
+    """Keys (or values) lo..hi-1 of one sequence -> [Hkv, hi - lo, D] in `dtype`, dequantized with `scales`."""
+    return _heads_major(_slots(cache, table, lo, hi), dtype, None if scales is None else _slots(scales, table, lo, hi))
 
 
 def _attend(q, k, v, scale, first_pos, lo, window, softcap):
@@ -42,21 +48,21 @@ def _attend(q, k, v, scale, first_pos, lo, window, softcap):
 
 
 def paged_decode_attention_windowed_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None,
-                                        softcap=None, out=None):
+                                        softcap=None, out=None, *, k_scale=None, v_scale=None):
     acc = compute_dtype(q.dtype)
     result = torch.zeros_like(q)
     for i, length in enumerate(seq_lens.tolist()):
         if length == 0:
             continue
         lo = max(0, length - window) if window else 0
-        k = _keys(k_cache, block_tables[i], lo, length, acc)
-        v = _keys(v_cache, block_tables[i], lo, length, acc)
+        k = _keys(k_cache, k_scale, block_tables[i], lo, length, acc)
+        v = _keys(v_cache, v_scale, block_tables[i], lo, length, acc)
         result[i] = _attend(q[i:i + 1].to(acc), k, v, scale, length - 1, lo, window, softcap)[0].to(q.dtype)
     return _into(out, result)
 
 
 def paged_prefill_attention_windowed_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                         window=None, softcap=None, out=None):
+                                         window=None, softcap=None, out=None, *, k_scale=None, v_scale=None):
     acc = compute_dtype(q.dtype)
     result = torch.zeros_like(q)
     starts = cu_seqlens_q.tolist()
@@ -66,7 +72,7 @@ def paged_prefill_attention_windowed_ref(q, k_cache, v_cache, block_tables, cu_s
             continue
         first = length - (q1 - q0)
         lo = max(0, first - window + 1) if window else 0
-        k = _keys(k_cache, block_tables[i], lo, length, acc)
-        v = _keys(v_cache, block_tables[i], lo, length, acc)
+        k = _keys(k_cache, k_scale, block_tables[i], lo, length, acc)
+        v = _keys(v_cache, v_scale, block_tables[i], lo, length, acc)
         result[q0:q1] = _attend(q[q0:q1].to(acc), k, v, scale, first, lo, window, softcap).to(q.dtype)
     return _into(out, result)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from pagedchat.dtypes import DTYPE_CHOICES
+from pagedchat.dtypes import DTYPE_CHOICES, kv_dtype_problem
 from pagedchat.errors import UserError
 
 # Keys other tools' configs have that pagedchat does not read: refused with their line, never silently ignored.
@@ -23,7 +23,7 @@ _NOT_READ = {"kv": "the KV pool is sized per run: --kv-memory and --block-size",
              "keep_alive": "the model stays loaded exactly as long as the chat, run or serve process"}
 ENTRY_KEYS = {"source", "path", "revision", "aliases", "dtype", "max_context", "chat_template",
               "chat_template_kwargs", "system_prompt", "stop", "sampling", "trust_remote_code", "description",
-              "context_overflow", "speculate", "num_draft_tokens", "draft_model", "quantize", *_NOT_READ}
+              "context_overflow", "speculate", "num_draft_tokens", "draft_model", "quantize", "kv_dtype", *_NOT_READ}
 # kind = "remote": an OpenAI-compatible server generates (chat/remote_backend.py); `model` is the id it
 # serves, `tokenizer` (a folder or models.toml name) or `path` the local tokenizer and template
 REMOTE_KEYS = {"kind", "server", "api_key", "model", "tokenizer"}
@@ -244,7 +244,8 @@ def _check_aliases(registry: "Registry") -> None:
 _TYPES = {"source": str, "path": str, "revision": str, "dtype": str, "chat_template": str, "system_prompt": str,
           "description": str, "model": str, "trust_remote_code": bool, "max_context": int,
           "sampling": dict, "chat_template_kwargs": dict, "speculate": str, "num_draft_tokens": int,
-          "draft_model": str, "kind": str, "server": str, "api_key": str, "tokenizer": str, "quantize": str}
+          "draft_model": str, "kind": str, "server": str, "api_key": str, "tokenizer": str, "quantize": str,
+          "kv_dtype": str}
 
 
 def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> None:
@@ -282,6 +283,8 @@ def _validate_entry(path: Path, where: str, table: dict, allowed: set[str]) -> N
         fail(f"speculate must be ngram, draft or off, got {table['speculate']!r}", "speculate")
     if "quantize" in table and table["quantize"] not in ("int8", "int4", "none"):
         fail(f"quantize must be int8, int4 or none, got {table['quantize']!r}", "quantize")
+    if "kv_dtype" in table and kv_dtype_problem(table["kv_dtype"]):
+        fail(kv_dtype_problem(table["kv_dtype"]).format(name="kv_dtype"), "kv_dtype")
     if "max_context" in table and table["max_context"] < 1:
         fail(f"max_context must be a positive number of tokens, got {table['max_context']}", "max_context")
     aliases = table.get("aliases", [])

@@ -29,6 +29,7 @@ class ModelOptions:
     num_draft_tokens: Optional[int] = None
     draft_model: Optional[str] = None
     quantize: Optional[str] = None         # int8 | int4 | none (None: models.toml, else none)
+    kv_dtype: Optional[str] = None         # auto | int8 | fp8 (None: models.toml, else auto)
     server: Optional[str] = None    # chat/run: an OpenAI-compatible server generates (chat/remote_backend.py)
     kv_disk: Optional[str] = None   # None = DEFAULT_KV_DISK; "0" = no disk tier
     kv_ram: Optional[str] = None    # None = DEFAULT_KV_RAM; "0" = no RAM tier
@@ -89,13 +90,15 @@ def engine_config(opts: ModelOptions, entry):
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     template = _read_template(entry.table["chat_template"], entry) if entry.table.get("chat_template") else None
+
     try:
         return EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
                             kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
                             kv_allocation=opts.kv_allocation, chat_template=template,
                             kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
                             kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM,
-                            quantize=quantize_setting(opts, entry), **speculation_settings(opts, entry))
+                            quantize=quantize_setting(opts, entry), kv_dtype=kv_dtype_setting(opts, entry),
+                            **speculation_settings(opts, entry))
     except SettingError as e:
         raise UserError(cli_words(e)) from None
 
@@ -137,12 +140,26 @@ def kv_report(pool) -> dict:
     disk_hit_tokens say how many of them were loaded back from the RAM and disk tiers."""
     return {"block_size": pool.block_size, "num_blocks": pool.num_blocks, "peak_blocks_used": pool.peak_used,
             "prefix_hit_tokens": pool.prefix_hit_tokens, "ram_hit_tokens": pool.ram_hit_tokens,
-            "disk_hit_tokens": pool.disk_hit_tokens}
+            "disk_hit_tokens": pool.disk_hit_tokens, "kv_dtype": pool.kv_dtype}
 
 
 def quantize_setting(opts: ModelOptions, entry) -> str | None:
     """--quantize over the models.toml key ("none" turns off a quantize that [defaults] sets)."""
     return opts.quantize if opts.quantize is not None else entry.get("quantize", None).value
+
+
+def kv_dtype_setting(opts: ModelOptions, entry) -> str:
+    """--kv-dtype over the models.toml key, checked before the engine is built (fp8 on an explicit --device
+    cpu; with --device auto the engine checks the device it finds, before the weights load)."""
+    from pagedchat.dtypes import kv_dtype_problem
+
+    setting = entry.get("kv_dtype", "auto")
+    value = opts.kv_dtype if opts.kv_dtype is not None else setting.value
+    problem = kv_dtype_problem(value, "cpu" if opts.device == "cpu" else None)
+    if problem:
+        raise UserError(problem.format(name="--kv-dtype" if opts.kv_dtype is not None else
+                                       f"kv_dtype (from {setting.source})"))
+    return value
 
 
 def speculation_settings(opts: ModelOptions, entry) -> dict:
@@ -217,7 +234,7 @@ def _strings(stop) -> list:
 # EngineConfig setting -> the flag that sets it (run, chat and serve share them: commands/common.py)
 _FLAGS = {"block_size": "--block-size", "max_model_len": "--max-context", "kv_memory": "--kv-memory",
           "device": "--device", "dtype": "--dtype", "kv_allocation": "--kv-allocation", "speculate": "--speculate",
-          "num_draft_tokens": "--num-draft-tokens", "quantize": "--quantize"}
+          "num_draft_tokens": "--num-draft-tokens", "quantize": "--quantize", "kv_dtype": "--kv-dtype"}
 
 
 OVERFLOW_POLICIES = ("stop", "drop-oldest")   # what a conversation that outgrows the context does

@@ -51,6 +51,7 @@ class ContentRunner:
 
     # the tiers' view of a block: its token ids, -1 where nothing was written
     block_payload_shape = property(lambda self: (self.block_size,))
+    block_payload_dtype = torch.int64
 
     def read_blocks(self, blocks):
         return torch.tensor([[-1 if t is None else t for t in self.content[b]] for b in blocks], dtype=torch.int64)
@@ -79,6 +80,87 @@ class ContentRunner:
             for p in range(dead * bs, seq.num_computed):
                 got = self.content[table[p // bs]][p % bs]
                 assert got == seq.token_ids[p], f"{seq}: window slot of token {p} holds {got}"
+
+
+class QuantizedContentRunner(ContentRunner):
+    """The content runner over a real int8 pool (engine/kv/caches.py: 2 layers, 1 KV head): every token the
+    model-free step writes is also written as K and V through the kernels (token t: K holds t + 1 at index
+    t % D, V holds -(t + 1) at (t + 3) % D, zeros elsewhere), and the pool's own block copies and payloads
+    move them. `check_kv` reads every written slot back as values x scales: a copy, fork or tier round trip
+    that left the scales (or the values) behind decodes another token than the one recorded."""
+
+    HEAD_DIM = 8
+
+    def __init__(self, num_blocks: int, block_size: int, vocab: int):
+        from pagedchat.engine.kv.caches import KVCaches
+
+        super().__init__(num_blocks, block_size, vocab)
+        self.kv = KVCaches.allocate(2, num_blocks, block_size, 1, self.HEAD_DIM, torch.int8, torch.device("cpu"))
+        for scales in self.kv.k_scales + self.kv.v_scales:
+            scales.zero_()  # scale 0: a slot never written (content None)
+
+    def _vectors(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.tensor(tokens)
+        k, v = torch.zeros(len(tokens), 1, self.HEAD_DIM), torch.zeros(len(tokens), 1, self.HEAD_DIM)
+        k[torch.arange(len(tokens)), 0, t % self.HEAD_DIM] = (t + 1).float()
+        v[torch.arange(len(tokens)), 0, (t + 3) % self.HEAD_DIM] = -(t + 1).float()
+        return k, v
+
+    def decoded(self) -> list[list[int | None]]:
+        """The tokens every block's K and V say it holds (every layer must agree; None: never written)."""
+        from pagedchat.kernels.kv_quant import dequantize_kv
+
+        layers = []
+        for layer in range(2):
+            k, v = (dequantize_kv(values, scales, torch.float32)[..., 0, :] for values, scales in
+                    ((self.kv.k_caches[layer], self.kv.k_scales[layer]), (self.kv.v_caches[layer], self.kv.v_scales[layer])))
+            written = k.abs().amax(-1) > 0
+            t = k.amax(-1).round().long() - 1
+            agree = (k.argmax(-1) == t % self.HEAD_DIM) & (v.argmin(-1) == (t + 3) % self.HEAD_DIM) \
+                & ((-v.amin(-1)).round().long() - 1 == t)
+            assert (agree | ~written).all(), f"layer {layer}: K and V of a slot disagree"
+            layers.append(torch.where(written, t, -1))
+        assert torch.equal(layers[0], layers[1]), "the layers hold different tokens"
+        return [[None if x < 0 else x for x in row] for row in layers[0].tolist()]
+
+    def run(self, batch):
+        from pagedchat import kernels
+
+        result = super().run(batch)   # copies first (the pool's too), then records what it writes
+        slots, written = [], []
+        for seq, n in batch.items:
+            tokens = seq.token_ids + seq.draft_ids
+            for p in range(seq.num_computed, seq.num_computed + n):
+                slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
+                written.append(tokens[p])
+        if slots:
+            k, v = self._vectors(written)
+            for layer in range(2):
+                kernels.write_kv(k, v, **self.kv.layer(layer), slot_mapping=torch.tensor(slots))
+        return result
+
+    def copy_blocks(self, copies):
+        super().copy_blocks(copies)
+        if copies:
+            src, dst = zip(*copies)
+            self.kv.copy_blocks(list(src), list(dst))
+
+    block_payload_shape = property(lambda self: (self.kv.block_bytes,))
+    block_payload_dtype = torch.uint8
+
+    def read_blocks(self, blocks):
+        return self.kv.read_blocks(blocks)
+
+    def write_blocks(self, blocks, payloads):
+        self.kv.write_blocks(blocks, payloads)
+        decoded = self.decoded()
+        for b in blocks:
+            self.content[b] = decoded[b]
+
+    def check_kv(self) -> None:
+        """Every block's KV decodes to the tokens recorded for it."""
+        for block, tokens in enumerate(self.decoded()):
+            assert tokens == self.content[block], f"block {block}: KV {tokens} but {self.content[block]} were written"
 
 
 class FakeDraftRunner:
@@ -148,15 +230,21 @@ def fake_tiers(runner: ContentRunner, ram_bytes: int, disk_dir=None, disk_bytes:
 
     disk = None
     if disk_dir is not None:
-        disk = DiskTier(disk_dir, "fake", disk_bytes, runner.block_payload_shape, torch.int64, warn=print)
+        disk = DiskTier(disk_dir, "fake", disk_bytes, runner.block_payload_shape, runner.block_payload_dtype,
+                        warn=print)
     return KVTiers(runner, RamTier(ram_bytes) if ram_bytes else None, disk)
 
 
 def fake_engine(num_blocks=32, block_size=8, vocab=24, max_model_len=256, window_groups=None, tiers=None,
                 **config) -> tuple[Engine, ContentRunner]:
-    """`tiers`: fake_tiers keyword arguments (ram_bytes, disk_dir, ...) to put RAM/disk tiers under the pool."""
+    """`tiers`: fake_tiers keyword arguments (ram_bytes, disk_dir, ...) to put RAM/disk tiers under the pool;
+    kv_dtype="int8": the tokens also go through a real quantized pool (QuantizedContentRunner)."""
     loaded = NoModel(max_model_len=max_model_len, vocab_size=vocab, eos_token_ids=[EOS], path="fake")
-    runner = ContentRunner(num_blocks, block_size, vocab, window_groups)
+    if config.get("kv_dtype", "auto") == "auto":
+        runner = ContentRunner(num_blocks, block_size, vocab, window_groups)
+    else:
+        assert window_groups is None
+        runner = QuantizedContentRunner(num_blocks, block_size, vocab)
     engine = Engine(EngineConfig(model="fake", block_size=block_size, num_blocks=num_blocks, **config),
                     loaded=loaded, runner=runner, tiers=fake_tiers(runner, **tiers) if tiers else None)
     runner.pool = engine.pool

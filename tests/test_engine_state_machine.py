@@ -100,6 +100,7 @@ class EngineMachine(RuleBasedStateMachine):
             scheduler.windows.attach_cached = attach_cached
 
     TIER_MODES = ("none", "none", "ram+disk", "disk")
+    RAM_BYTES, DISK_BYTES = 640, 24 * 1024   # 10 blocks of token ids in RAM; a disk folder that gets trimmed
 
     @initialize(choice=st.integers(0, 11))
     def choose_tiers(self, choice):
@@ -109,7 +110,7 @@ class EngineMachine(RuleBasedStateMachine):
         paths are reached whatever the seed of a run."""
         tiers = self.TIER_MODES[choice % len(self.TIER_MODES)]
         if tiers != "none" and self.KV_ALLOCATION == "paged" and not self.WINDOW_GROUPS:
-            self.tiers = {"ram_bytes": 640 if tiers == "ram+disk" else 0, "disk_bytes": 24 * 1024,
+            self.tiers = {"ram_bytes": self.RAM_BYTES if tiers == "ram+disk" else 0, "disk_bytes": self.DISK_BYTES,
                           "disk_dir": tempfile.mkdtemp(prefix="pagedchat-kv-")}
             self._start_engine()
 
@@ -424,6 +425,30 @@ def test_engine_state_machine_speculating():
     assert COUNTS["spec accepted"] > 0, COUNTS
     assert COUNTS["spec proposed"] > COUNTS["spec accepted"], f"no draft was ever rolled back: {COUNTS}"
     for path in ("engine preemptions", "preempted", "cow copies", "finish", "prefix hit tokens"):
+        assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
+
+
+class QuantizedEngineMachine(SpeculatingMachine):
+    """The same programs (n-gram drafts, forks, beams, preemption, RAM/disk tiers and restarts) over a real
+    int8 pool: every written token also lives in the pool's quantized K/V with its scales, moved by the
+    pool's own copies and block payloads, and after every rule each block's K/V still decodes to the tokens
+    recorded for it (tests/fake_runner.py QuantizedContentRunner)."""
+    ENGINE = {**SpeculatingMachine.ENGINE, "kv_dtype": "int8"}
+    TIER_MODES = TieredEngineMachine.TIER_MODES
+    RAM_BYTES, DISK_BYTES = 10 * 320, 48 * 1024      # a block is 320 bytes here (2 layers, 8 slots, 1 head)
+
+    @invariant()
+    def quantized_kv_holds_the_tokens(self):
+        self.runner.check_kv()
+
+
+def test_quantized_pool_state_machine():
+    COUNTS.clear()
+    run_state_machine_as_test(QuantizedEngineMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
+    print(f"\nquantized-pool state machine: {dict(COUNTS)}")
+    assert COUNTS["spec proposed"] > COUNTS["spec accepted"] > 0, f"no draft rolled back: {COUNTS}"
+    for path in ("cow copies", "beam searches", "preempted", "finish", "prefix hit tokens", "ram hit tokens",
+                 "disk hit tokens", "restarts"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
 
 

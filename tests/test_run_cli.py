@@ -20,7 +20,8 @@ def test_raw_greedy_json_matches_transformers(run, model_dirs):
     report = json.loads(out)
     assert set(report) >= {"model", "outputs", "usage", "kv", "timing"}
     assert set(report["kv"]) == {"block_size", "num_blocks", "peak_blocks_used", "prefix_hit_tokens",
-                                 "ram_hit_tokens", "disk_hit_tokens"}
+                                 "ram_hit_tokens", "disk_hit_tokens", "kv_dtype"}
+    assert report["kv"]["kv_dtype"] == "float32"
     assert set(report["timing"]) == {"ttft_s", "decode_tokens_per_s", "total_s"}
     from transformers import AutoTokenizer
 

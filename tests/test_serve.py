@@ -91,7 +91,7 @@ def test_models_health_and_stats(server, client):
     assert httpx.get(server[0].removesuffix("/v1") + "/health", timeout=10).json() == {"status": "ok"}
     s = stats(server)
     assert s["pool"]["num_blocks"] * s["pool"]["block_size"] == s["pool"]["capacity_tokens"] > 0
-    assert s["pool"]["block_size"] == BLOCK
+    assert s["pool"]["block_size"] == BLOCK and s["pool"]["kv_dtype"] == "float32"
 
 
 def test_chat_greedy_equals_hf_generate(server, client, model):

@@ -1,4 +1,5 @@
-"""Accuracy of `--quantize int8` against fp32 on one model: greedy agreement and the largest logit error.
+"""Accuracy of `--quantize int8` (or another quantized mode: `--kv-dtype int8`) against fp32 on one model:
+greedy agreement and the largest logit error.
 
 Greedy agreement counts generated tokens equal to the fp32 engine's up to each prompt's first divergence
 (after one differing token the continuations differ by construction). The logit error is teacher-forced on the
@@ -17,9 +18,9 @@ from pagedchat.engine import Engine, EngineConfig, SamplingParams
 from pagedchat.model.attention import AttentionMetadata
 
 
-def _engine(path: str, quantize: str | None) -> Engine:
+def _engine(path: str, num_blocks: int, **setting) -> Engine:
     # No prefix cache: the teacher-forced passes below write into the pool's first blocks directly.
-    config = EngineConfig(model=path, device="cpu", num_blocks=128, quantize=quantize, enable_prefix_cache=False)
+    config = EngineConfig(model=path, device="cpu", num_blocks=num_blocks, enable_prefix_cache=False, **setting)
     return Engine(config, show_progress=False)
 
 
@@ -48,16 +49,21 @@ def teacher_forced_logits(engine: Engine, prompt: list[int], continuation: list[
     return torch.stack(rows)
 
 
-def measure(path: str, prompts: list[list[int]], tokens: int) -> dict:
-    """int8 against fp32 on `prompts`, `tokens` greedy tokens each."""
-    engines = {q: _engine(path, q) for q in (None, "int8")}
+def measure(path: str, prompts: list[list[int]], tokens: int, setting: dict | None = None,
+            num_blocks: int = 128) -> dict:
+    """A quantized mode against fp32 on `prompts`, `tokens` greedy tokens each. setting: the mode's
+    EngineConfig fields (default {"quantize": "int8"}; {"kv_dtype": "int8"}: the quantized KV pool)."""
+    quantized = setting or {"quantize": "int8"}
+    engines = {None: _engine(path, num_blocks), "int8": _engine(path, num_blocks, **quantized)}
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     outs = {q: [o.outputs[0].token_ids for o in e.generate(prompts, params)] for q, e in engines.items()}
     agree = total = near_ties = 0
     max_err = rel_err = 0.0
+    first_divergence = []
     for prompt, ref, got in zip(prompts, outs[None], outs["int8"]):
         same = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), len(ref))
         agree, total = agree + same, total + len(ref)
+        first_divergence.append(same)
         fp, q8 = (teacher_forced_logits(engines[q], prompt, ref) for q in (None, "int8"))
         err = (q8 - fp).abs().amax(dim=-1)
         spread = fp.amax(dim=-1) - fp.amin(dim=-1)
@@ -67,4 +73,5 @@ def measure(path: str, prompts: list[list[int]], tokens: int) -> dict:
             near_ties += int((top2[0] - top2[1]).item() <= 2 * err[same].item())
     identical = sum(a == b for a, b in zip(outs[None], outs["int8"]))
     return {"greedy_agreement": agree / total, "identical_prompts": identical, "prompts": len(prompts),
-            "divergences_at_near_ties": near_ties, "max_logit_error": max_err, "max_logit_error_rel_spread": rel_err}
+            "divergences_at_near_ties": near_ties, "max_logit_error": max_err, "max_logit_error_rel_spread": rel_err,
+            "first_divergence": first_divergence}

@@ -220,7 +220,8 @@ def _usage(usage) -> dict | None:
 _LOCAL_ENGINE_FLAGS = {"device": ("--device", "auto"), "dtype": ("--dtype", None),
                        "kv_memory": ("--kv-memory", None), "kv_ram": ("--kv-ram", None),
                        "kv_disk": ("--kv-disk", None), "speculate": ("--speculate", None),
-                       "num_draft_tokens": ("--num-draft-tokens", None), "draft_model": ("--draft-model", None)}
+                       "num_draft_tokens": ("--num-draft-tokens", None), "draft_model": ("--draft-model", None),
+                       "kv_dtype": ("--kv-dtype", None)}
 
 
 def _refuse_local_engine_flags(opts) -> None:

@@ -188,7 +188,8 @@ def pool_view(stats: dict, current: str | None) -> Group:
     table.add_column(style="bold")
     table.add_column()
     total = stats["num_blocks"]
-    table.add_row("blocks", f"{total} × {stats['block_size']} tokens")
+    table.add_row("blocks", f"{total} × {stats['block_size']} tokens" +
+                  (f", KV stored as {stats['kv_dtype']}" if stats.get("kv_dtype") else ""))
     table.add_row("used", f"{stats['used']} ({stats['used'] / total:.1%}), peak {stats['peak_used']}")
     table.add_row("free", f"{stats['free']} (of which {stats['cached']} still cached for prefix hits)")
     table.add_row("shared", f"{stats['shared']} blocks with refcount > 1")

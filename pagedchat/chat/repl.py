@@ -35,7 +35,8 @@ def banner(ctl: ChatController) -> Text:
     text.append("pagedchat", style="bold")
     remote = ctl.backend.describe()
     where = (f"server {remote['server']} ({remote['endpoint']})" if remote else
-             f"KV pool {pool.num_blocks} blocks × {pool.block_size} tokens")
+             f"KV pool {pool.num_blocks} blocks × {pool.block_size} tokens" +
+             (f" ({pool.kv_dtype})" if pool.kv_dtype else ""))
     text.append(f" · model {ctl.entry.name} · session {s.name} ({state}) · {where} · context "
                 f"{ctl.backend.max_model_len}\n", style="dim")
     text.append("/help lists commands · Enter sends, Esc-Enter adds a line · Ctrl-C stops a reply · Ctrl-D exits",

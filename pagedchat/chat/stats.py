@@ -41,7 +41,8 @@ def pool_report(backend, sessions: dict, last_turn: dict | None) -> dict:
     per_session = {name: {"nodes": len(s.tree), "pinned_heads": sum(1 for h in s.handles.values() if h.is_pinned),
                           "blocks": backend.blocks_held(s.handles.values())}
                    for name, s in sessions.items()}
-    return {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "used": pool.used, "free": pool.free,
+    return {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "kv_dtype": pool.kv_dtype,
+            "used": pool.used, "free": pool.free,
             "cached": pool.cached, "shared": pool.shared, "peak_used": pool.peak_used,
             "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,
             "prefix_hit_rate": pool.prefix_hit_rate, "cow_copies": pool.cow_copies, "pinned": st.pinned,

@@ -29,6 +29,10 @@ KV_RAM = typer.Option(None, "--kv-ram", help="Host-RAM tier for KV blocks the po
 QUANTIZE = typer.Option(None, "--quantize", help="Weight-only, quantized at load from the fp checkpoint: int8 "
                                                  "(per-channel scales) or int4 (groups of 32, a scale each); "
                                                  "none: off (default: the models.toml quantize key, else none).")
+KV_DTYPE = typer.Option(None, "--kv-dtype", help="What the KV pool stores: auto (the model's dtype), int8 (CPU, "
+                                               "CUDA) or fp8 (CUDA): quantized with a scale per token and head, "
+                                               "~2x (bf16->fp8) to ~3.9x (fp32->int8) the tokens in the same "
+                                               "--kv-memory (default: the models.toml kv_dtype key, else auto).")
 MAX_CONTEXT = typer.Option(None, "--max-context", help="Cap the context length (tokens).")
 SYSTEM = typer.Option(None, "--system", help="System prompt (chat template path).")
 TEMPERATURE = typer.Option(None, "--temperature", "-t", help="0 = greedy.")

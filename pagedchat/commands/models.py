@@ -11,8 +11,8 @@ import typer
 models_app = typer.Typer(help="The model registry (models.toml: bundled copy, user copy layered over it).",
                          no_args_is_help=False, invoke_without_command=True)
 
-ENTRY_SETTINGS = ("source", "revision", "aliases", "dtype", "max_context", "chat_template", "chat_template_kwargs",
-                  "system_prompt", "stop", "trust_remote_code", "description")
+ENTRY_SETTINGS = ("source", "revision", "aliases", "dtype", "kv_dtype", "max_context", "chat_template",
+                  "chat_template_kwargs", "system_prompt", "stop", "trust_remote_code", "description")
 
 
 def register(app: typer.Typer) -> None:
@@ -84,11 +84,13 @@ def show_model(name: str = typer.Argument(..., help="models.toml name or alias, 
         rows.append(("family", family, "the model's config.json"))
     for key in ENTRY_SETTINGS:
         setting = entry.get(key)
-        if key == "source" or setting.value is None and key not in ("dtype", "max_context"):
+        if key == "source" or setting.value is None and key not in ("dtype", "kv_dtype", "max_context"):
             continue
         value, source = setting.value, _where(registry, entry, key, setting.source)
         if key == "dtype" and value is None:
             value, source = "auto", "built-in default (bf16 on CUDA, fp32 on CPU)"
+        if key == "kv_dtype" and value is None:
+            value, source = "auto", "built-in default (the KV pool stores the model's dtype)"
         if key == "max_context" and value is None:
             value, source = _max_positions(entry.path), "the model's config.json"
         rows.append((key, value, source))

@@ -58,6 +58,7 @@ def run(
     kv_disk: Optional[str] = common.KV_DISK,
     kv_ram: Optional[str] = common.KV_RAM,
     quantize: Optional[str] = common.QUANTIZE,
+    kv_dtype: Optional[str] = common.KV_DTYPE,
     server: Optional[str] = common.SERVER,
     logprobs: Optional[int] = typer.Option(None, "--logprobs", metavar="N",
                                            help="With --json: each output token's logprob and N alternatives."),
@@ -67,7 +68,8 @@ def run(
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
                                     num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                                    server=server, quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram)
+                                    server=server, quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram,
+                                    kv_dtype=kv_dtype)
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)

@@ -40,6 +40,7 @@ def serve(
     kv_ram: Optional[str] = common.KV_RAM,
     context_overflow: Optional[str] = common.CONTEXT_OVERFLOW,
     quantize: Optional[str] = common.QUANTIZE,
+    kv_dtype: Optional[str] = common.KV_DTYPE,
 ) -> None:
     from pagedchat.serve.server import run_server
 
@@ -47,5 +48,5 @@ def serve(
     opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size, kv_memory=kv_memory,
                                max_context=max_context, kv_allocation=kv_allocation,
                                speculate=speculate, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
-                               quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram)
+                               quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram, kv_dtype=kv_dtype)
     run_server(opts, host, port, api_key, served_model_name, verbose, context_overflow)

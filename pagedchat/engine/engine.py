@@ -27,6 +27,7 @@ import torch
 
 from pagedchat.engine.decoding import beam
 from pagedchat.engine.kv.block_pool import BlockPool, PoolStats
+from pagedchat.engine.kv.caches import kv_dtype_name
 from pagedchat.engine.core.config import EngineConfig
 from pagedchat.engine.core.grammar import Grammars
 from pagedchat.engine.kv.tiers import KVTiers, build_tiers
@@ -42,7 +43,7 @@ from pagedchat.engine.core.sequence import Request, Sequence, SeqStatus
 from pagedchat.engine.core.window_groups import WindowTables
 from pagedchat.engine.decoding.speculative import NgramProposer, Speculator, step_shape
 from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError
-from pagedchat.model.loader import load_model
+from pagedchat.model.loader import load_model, resolve_device
 
 __all__ = ["Branch", "CompletionOutput", "Engine", "EngineStats", "RequestOutput", "TokenEvent"]
 
@@ -54,6 +55,8 @@ class Engine:
         memory benchmarks drive the real scheduling without a model): see engine/core/seams.py. `tiers` replaces
         the RAM/disk tiers the config asks for (tests give a fake runner its own)."""
         self.config = config
+        if loaded is None:  # an unsupported --kv-dtype fails before the weights load
+            config.check_kv_dtype(resolve_device(config.device).type)
         self.loaded = loaded or load_model(config.model, config.device, config.dtype, config.max_model_len,
                                            trust_remote_code=config.trust_remote_code, show_progress=show_progress,
                                            chat_template=config.chat_template, quantize=config.quantize)
@@ -64,7 +67,8 @@ class Engine:
         self.runner = runner or ModelRunner(self.loaded, config, self._draft_bytes_per_block(config))
         groups = getattr(self.runner, "kv_groups", None)
         windowed = groups is not None and groups.num_window_groups > 0
-        self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_cache,
+                              kv_dtype_name(config.kv_dtype, getattr(self.loaded, "dtype", None)))
         windows = WindowTables(self.pool, groups.num_window_groups, groups.window) if windowed else None
         # The RAM/disk tiers store whole blocks of the one global table: a sliding-window model's window
         # groups keep other blocks, which they do not store, so such models get no tiers (the pool's cache only).
@@ -91,7 +95,7 @@ class Engine:
         return load_draft(config, self.loaded, show_progress)
 
     def _draft_bytes_per_block(self, config: EngineConfig) -> int:
-        return kv_bytes_per_block(self.draft, config.block_size) if self.draft is not None else 0
+        return kv_bytes_per_block(self.draft, config.block_size, config.kv_dtype) if self.draft is not None else 0
 
     def set_speculation(self, method: str) -> None:
         """Switch speculative decoding between steps: off, ngram, or draft (needs the config's draft model).
@@ -141,9 +145,9 @@ class Engine:
         if config.kv_disk:
             extra = {"quantize": q} if (q := getattr(config, "quantize", None)) else None
             fp, meta = engine_fingerprint(self.loaded.path, weight_files(self.loaded.path), self.loaded.dtype,
-                                          config.block_size, self.device.type, root, extra)
-        return build_tiers(self.runner, self.runner.block_payload_shape, self.loaded.dtype, fp, config.kv_ram,
-                           config.kv_disk, root, meta)
+                                          config.block_size, self.device.type, root, extra, self.pool.kv_dtype)
+        return build_tiers(self.runner, self.runner.block_payload_shape, self.runner.block_payload_dtype, fp,
+                           config.kv_ram, config.kv_disk, root, meta)
 
     # -- KV that outlives the process -----------------------------------------------------------------------
     def persist(self, handles: Iterable[Branch | Sequence | None]) -> None:

@@ -70,8 +70,9 @@ class WindowedAttention(PagedAttention):
 
         if self.window_group >= 0 and meta.window_metas:
             meta = meta.window_metas[self.window_group]
-        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=self.backend)
-        extra = dict(backend=self.backend, sliding_window=self.sliding_window, softcap=self.softcap)
+        scales = dict(k_scale=self.k_scale, v_scale=self.v_scale)
+        kernels.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, backend=self.backend, **scales)
+        extra = dict(backend=self.backend, sliding_window=self.sliding_window, softcap=self.softcap, **scales)
         if meta.is_decode:
             return kernels.paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                                   self.scale, **extra)

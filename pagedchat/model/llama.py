@@ -88,7 +88,7 @@ class Attention(nn.Module):
     def forward_fused(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """One kernel between the two projections' and attention's: rotary (and Qwen3's q/k norms) fused
         with the K/V write (PagedAttention.rope_write_attend)."""
-        if self.attn.k_cache.dtype != x.dtype:  # a quantized pool: its own write path quantizes
+        if self.attn.k_scale is not None:  # a quantized pool: write_kv quantizes its writes
             return self.forward(positions, x, meta)
         s = self.spec
         qkv = self.qkv_proj(x)

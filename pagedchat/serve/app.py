@@ -103,7 +103,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
         pool = engine_stats.pool_stats
         return {
             "model": settings.model_name,
-            "pool": {"num_blocks": pool.num_blocks, "block_size": pool.block_size,
+            "pool": {"num_blocks": pool.num_blocks, "block_size": pool.block_size, "kv_dtype": pool.kv_dtype,
                      "capacity_tokens": pool.capacity_tokens, "used": pool.used, "free": pool.free,
                      "cached": pool.cached, "shared": pool.shared, "peak_used": pool.peak_used,
                      "prefix_hit_tokens": pool.prefix_hit_tokens, "prefix_query_tokens": pool.prefix_query_tokens,

@@ -84,7 +84,7 @@ def run_server(model_opts, host: str, port: int, api_key: str | None, served_mod
         pool = engine.pool_stats()
         name = served_model_name or entry.name
         print(f"pagedchat serve: {url_of(sock)}  model {name}  KV pool {pool.num_blocks} blocks x "
-              f"{pool.block_size} = {pool.capacity_tokens} tokens  (Ctrl-C to stop)", flush=True)
+              f"{pool.block_size} = {pool.capacity_tokens} tokens ({pool.kv_dtype})  (Ctrl-C to stop)", flush=True)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it handled once it has shut down

@@ -6,7 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from pagedchat.dtypes import DTYPE_CHOICES, DTYPE_HINT
+from pagedchat.dtypes import DTYPE_CHOICES, DTYPE_HINT, kv_dtype_problem
 from pagedchat.errors import SettingError, UserError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
@@ -63,6 +63,8 @@ class EngineConfig:
     num_draft_tokens: int = 6       # most tokens proposed per sequence and step (adapted per sequence)
     draft_model: str | None = None  # a smaller model with the same tokenizer (speculate="draft")
     quantize: str | None = None     # None/"none" | "int8" | "int4": weight-only, from the fp checkpoint (model/quantize.py)
+    kv_dtype: str = "auto"          # auto (the model's dtype) | int8 (CPU, CUDA) | fp8 (CUDA): what the pool
+                                    # stores; quantized: + a float16 scale per token and KV head
     # Tiers below the pool (0 = off; the library default, so tests and benchmarks keep no state; the CLI
     # turns both on): evicted blocks go to host RAM, then to disk, where other processes find them too.
     kv_ram: int | str = 0           # bytes or '512MiB'
@@ -95,6 +97,7 @@ class EngineConfig:
             raise SettingError("quantize", f"{{name}} must be int8, int4 or none, got {self.quantize!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")
+        self.check_kv_dtype("cpu" if self.device == "cpu" else None)
         self._check_speculation()
 
     def fused_backend(self, device_type: str) -> str | None:
@@ -106,6 +109,12 @@ class EngineConfig:
         if on is None:
             on = device_type == "cuda"
         return "auto" if on else None
+
+    def check_kv_dtype(self, device_type: str | None) -> None:
+        """Refuse a KV dtype the device cannot run (device_type None: not known yet, the name alone)."""
+        problem = kv_dtype_problem(self.kv_dtype, device_type)
+        if problem:
+            raise SettingError("kv_dtype", problem)
 
     def _check_speculation(self) -> None:
         if self.draft_model and self.speculate == "off":

@@ -8,11 +8,11 @@ import time
 
 import torch
 
-from pagedchat import kernels
 from pagedchat.engine.core.config import EngineConfig
 from pagedchat.engine.core.logprobs import score_prompt_chunk
 from pagedchat.engine.core.scheduler import ScheduledBatch
 from pagedchat.engine.core.sequence import Sequence
+from pagedchat.engine.kv.caches import KVCaches, kv_bytes_per_token, kv_cache_dtype
 from pagedchat.errors import SettingError
 from pagedchat.memory import available_ram
 from pagedchat.model.attention import AttentionMetadata
@@ -27,10 +27,11 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def kv_bytes_per_block(loaded: LoadedModel, block_size: int) -> int:
+def kv_bytes_per_block(loaded: LoadedModel, block_size: int, kv_dtype: str = "auto") -> int:
+    """A block's K and V in every layer, stored as `kv_dtype` (quantized: scales included)."""
     spec = loaded.spec
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim \
-        * torch.empty((), dtype=loaded.dtype).element_size()
+    return block_size * kv_bytes_per_token(spec.num_layers, spec.num_kv_heads, spec.head_dim,
+                                           kv_cache_dtype(kv_dtype, loaded.dtype))
 
 
 def release_device_memory(device: torch.device) -> None:
@@ -65,18 +66,19 @@ class ModelRunner:
         self.kv_groups = self.model.kv_groups() if layer_groups and hasattr(self.model, "kv_groups") else None
         num_slots = self.kv_groups.num_slots if self.kv_groups else spec.num_layers
         slots = self.kv_groups.layer_slot if self.kv_groups else range(spec.num_layers)
-        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size) * num_slots // spec.num_layers
+        config.check_kv_dtype(self.device.type)
+        self.kv_dtype = kv_cache_dtype(config.kv_dtype, loaded.dtype)
+        self.bytes_per_block = kv_bytes_per_block(loaded, config.block_size, config.kv_dtype) * num_slots \
+            // spec.num_layers
         self.num_blocks = self._num_blocks(config, extra_bytes_per_block)
-        shape = (self.num_blocks, config.block_size, spec.num_kv_heads, spec.head_dim)
-        # Not zero-filled: no path reads a slot before it is written, or it masks what it reads (past a
-        # sequence's end, whatever the memory holds, NaN included: tests poison the pool to prove it). On CPU
-        # the untouched pages of a large pool then cost nothing at all.
-        self.k_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
-        self.v_caches = [torch.empty(shape, dtype=loaded.dtype, device=self.device) for _ in range(num_slots)]
+        self.kv = KVCaches.allocate(num_slots, self.num_blocks, config.block_size, spec.num_kv_heads,
+                                    spec.head_dim, self.kv_dtype, self.device)
+        self.k_caches, self.v_caches = self.kv.k_caches, self.kv.v_caches
         backend = "torch" if self.device.type == "cpu" else "auto"
         self.attention_layers = self.model.attention_layers()
         for layer, slot in zip(self.attention_layers, slots):
-            layer.k_cache, layer.v_cache, layer.backend = self.k_caches[slot], self.v_caches[slot], backend
+            _bind(layer, self.kv, slot)
+            layer.backend = backend
         for moe in getattr(self.model, "moe_layers", list)():
             moe.backend = backend
         self.backend = backend
@@ -84,18 +86,24 @@ class ModelRunner:
         # (copy-on-write, forks) is made in their caches as well.
         self.block_sharers: list[ModelRunner] = []
         self.graphs = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self._graphs_wanted(config):
             self.graphs = DecodeGraphs.capture(self, *DecodeGraphs.rows_for(config))
         # The native CPU decode step (pagedchat/native), once its library is built: the first process on a
         # machine builds it in the background and takes the torch path meanwhile.
         self.native = None
         self._native_next_try: float | None = None  # when to look for the library again; None: never
+        # (it reads fp32 and int8 pools; an fp8 pool is CUDA-only)
         if self.device.type == "cpu" and not self._window_groups():
             from pagedchat.native.step import NativeDecode
 
-            if NativeDecode.supports(self.model, self.k_caches, self.v_caches):
+            if NativeDecode.supports(self.model, self.k_caches, self.v_caches, self.kv.k_scales, self.kv.v_scales):
                 self._native_next_try = 0.0
                 self._bind_native()
+
+    def _graphs_wanted(self, config: EngineConfig) -> bool:
+        """CUDA graphs of the decode step: on CUDA unless turned off; a quantized pool decodes through the torch
+        twins until the Triton kernels read it (their host syncs cannot be captured)."""
+        return self.device.type == "cuda" and config.cuda_graphs and config.kv_dtype == "auto"
 
     def _window_groups(self) -> int:
         return self.kv_groups.num_window_groups if self.kv_groups else 0
@@ -154,23 +162,23 @@ class ModelRunner:
         """What is left for the pool after the weights and a profiled forward of a full step."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_forward(config.max_num_batched_tokens)
+        self._profile_forward(config)
         free, total = torch.cuda.mem_get_info(self.device)
         peak_activations = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
         fraction = 0.9 if config.kv_fraction is None else config.kv_fraction
-        graphs = DecodeGraphs.reserve_bytes(self, config) if config.cuda_graphs else 0
+        graphs = DecodeGraphs.reserve_bytes(self, config) if self._graphs_wanted(config) else 0
         return int(total * fraction - (total - free) - peak_activations - graphs)
 
     @torch.inference_mode()
-    def _profile_forward(self, num_tokens: int) -> None:
+    def _profile_forward(self, config: EngineConfig) -> None:
         """One prefill of a full step's tokens into a throw-away cache, to measure activation memory."""
-        num_tokens = min(num_tokens, self.loaded.max_model_len)
+        num_tokens = min(config.max_num_batched_tokens, self.loaded.max_model_len)
         spec, dev = self.loaded.spec, self.device
         blocks = -(-num_tokens // self.block_size)
-        scratch = torch.zeros((blocks, self.block_size, spec.num_kv_heads, spec.head_dim), dtype=self.loaded.dtype,
-                              device=dev)
+        scratch = KVCaches.allocate(1, blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
+                                    kv_cache_dtype(config.kv_dtype, self.loaded.dtype), dev)
         for layer in self.model.attention_layers():
-            layer.k_cache = layer.v_cache = scratch
+            _bind(layer, scratch, 0)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=dev),
             block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
@@ -185,34 +193,26 @@ class ModelRunner:
     # -- blocks in and out (the RAM and disk tiers) ----------------------------------------------------------
     @property
     def block_payload_shape(self) -> tuple[int, ...]:
-        """One block as the tiers store it: [K/V, layer, slot, kv head, head dim]."""
-        return (2, len(self.k_caches), *self.k_caches[0].shape[1:])
+        """One block as the tiers store it: its bytes in every layer (engine/kv/caches.py)."""
+        return (self.kv.block_bytes,)
+
+    block_payload_dtype = torch.uint8
 
     @torch.inference_mode()
     def read_blocks(self, blocks: list[int]) -> torch.Tensor:
         """A CPU copy of these blocks, [n, *block_payload_shape]."""
-        index = torch.tensor(blocks, device=self.device)
-        k = torch.stack([cache.index_select(0, index) for cache in self.k_caches], dim=1)
-        v = torch.stack([cache.index_select(0, index) for cache in self.v_caches], dim=1)
-        return torch.stack([k, v], dim=1).cpu()
+        return self.kv.read_blocks(blocks)
 
     @torch.inference_mode()
     def write_blocks(self, blocks: list[int], payloads: list[torch.Tensor]) -> None:
-        """Copy each block straight into its slots: stacking them first would allocate and copy the whole
-        load once more (a 4k-token history of a small model is 64 MiB)."""
-        for block, payload in zip(blocks, payloads):
-            payload = payload.to(self.device, non_blocking=True)
-            for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches)):
-                k[block].copy_(payload[0, layer])
-                v[block].copy_(payload[1, layer])
+        self.kv.write_blocks(blocks, payloads)
 
     # -- one step -------------------------------------------------------------------------------------------
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
             src, dst = zip(*copies)
             for runner in [self, *self.block_sharers]:
-                kernels.copy_blocks_all_layers(runner.k_caches, runner.v_caches, list(src), list(dst),
-                                               backend=self.backend)
+                runner.kv.copy_blocks(list(src), list(dst), backend=self.backend)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor | None, list[Sequence]]:
@@ -246,7 +246,8 @@ class ModelRunner:
         from pagedchat.native import build
         from pagedchat.native.step import NativeDecode
 
-        self.native = NativeDecode.bind(self.model, self.k_caches, self.v_caches, self.block_size)
+        self.native = NativeDecode.bind(self.model, self.k_caches, self.v_caches, self.block_size,
+                                        k_scales=self.kv.k_scales, v_scales=self.kv.v_scales)
         self._native_next_try = now + NATIVE_RETRY_S if self.native is None and build.building() else None
 
     def _native_fits(self, batch: ScheduledBatch, ids: torch.Tensor, meta: AttentionMetadata,
@@ -333,6 +334,12 @@ class ModelRunner:
         return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev),
                                  torch.tensor(tables, dtype=torch.int32, device=dev), meta.seq_lens,
                                  meta.cu_seqlens_q, meta.is_decode, meta.max_seq_len)
+
+
+def _bind(layer, caches: KVCaches, slot: int) -> None:
+    """Point an attention layer at its slot of the pool (and at the slot's scales when quantized)."""
+    for name, tensor in caches.layer(slot).items():
+        setattr(layer, name, tensor)
 
 
 MAX_GRAPH_ROWS = 512  # the largest captured step (rows = sequences x tokens each)

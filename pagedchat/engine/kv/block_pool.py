@@ -52,6 +52,7 @@ class PoolStats:
     cow_copies: int           # cumulative copy-on-write block copies
     ram_hit_tokens: int = 0   # of prefix_hit_tokens: loaded back from the host-RAM tier
     disk_hit_tokens: int = 0  # of prefix_hit_tokens: loaded back from the disk tier
+    kv_dtype: str = ""        # what a block stores: the model's dtype (float32, bfloat16, ...), int8 or fp8
 
     @property
     def capacity_tokens(self) -> int:
@@ -70,9 +71,10 @@ EvictHook = Callable[[int, bytes, tuple[int, ...]], None]
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True, kv_dtype: str = ""):
         assert num_blocks > 0 and block_size > 0
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.kv_dtype = kv_dtype  # a label for stats (engine/kv/caches.py kv_dtype_name)
         self.enable_prefix_cache = enable_prefix_cache
         self.ref_count = [0] * num_blocks
         self.block_hash: list[bytes | None] = [None] * num_blocks
@@ -103,7 +105,7 @@ class BlockPool:
         shared = sum(1 for r in self.ref_count if r > 1)
         return PoolStats(self.num_blocks, self.block_size, self.num_used, self.num_free, cached, shared,
                          self.peak_used, self.prefix_hit_tokens, self.prefix_query_tokens, self.cow_copies,
-                         self.ram_hit_tokens, self.disk_hit_tokens)
+                         self.ram_hit_tokens, self.disk_hit_tokens, self.kv_dtype)
 
     # -- allocation -----------------------------------------------------------------------------------------
     def allocate(self, after: int | None = None) -> int:

@@ -105,12 +105,13 @@ def _write_quietly(path: Path, data: bytes) -> None:
 
 
 def engine_fingerprint(model_dir: Path, weight_files: list[Path], dtype, block_size: int, device_type: str,
-                       root: Path, extra: dict | None = None) -> tuple[str, dict]:
-    """(fingerprint, meta.json content) of a loaded model run with these settings. The pool's KV dtype is
-    the model's dtype; it is listed on its own so a quantized-weights mode can differ."""
+                       root: Path, extra: dict | None = None, kv_dtype: str | None = None) -> tuple[str, dict]:
+    """(fingerprint, meta.json content) of a loaded model run with these settings. kv_dtype: what the pool
+    stores (int8, fp8; None: the model's dtype), so a quantized block is never read as another dtype's."""
     digest = model_digest(model_dir, weight_files, root)
     dtype_name = str(dtype).removeprefix("torch.")
-    fp = fingerprint(digest, dtype_name, dtype_name, block_size, device_type, extra)
-    meta = {"model_path": str(model_dir), "model_digest": digest, "dtype": dtype_name, "kv_dtype": dtype_name,
+    kv_dtype = kv_dtype or dtype_name
+    fp = fingerprint(digest, dtype_name, kv_dtype, block_size, device_type, extra)
+    meta = {"model_path": str(model_dir), "model_digest": digest, "dtype": dtype_name, "kv_dtype": kv_dtype,
             "block_size": block_size, "device": device_type, **(extra or {})}
     return fp, meta
