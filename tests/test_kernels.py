@@ -15,6 +15,7 @@ and other test modules keep the fast torch path.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 import textwrap
@@ -28,6 +29,9 @@ from pagedchat import kernels as K
 
 needs_triton = pytest.mark.skipif(not K.HAS_TRITON, reason="triton is not installed")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+# the interpreter runs a kernel's programs one by one in Python: wide sweeps run with PAGEDCHAT_SLOW=1
+SLOW = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("PAGEDCHAT_SLOW") != "1",
+                                             reason="slow: set PAGEDCHAT_SLOW=1")]
 
 def bounded(examples: int):
     """Hypothesis settings for interpreter tests: few examples (the interpreter is slow), reproducible."""
@@ -457,6 +461,128 @@ def test_prefill_random_shapes(interpret, data):
 
 
 # ---------------------------------------------------------------------------------------------------
+# The Qwen2 shape that diverged inside the engine on an H200: MHA (7 query = 7 KV heads), head_dim 32,
+# ~1,600-token contexts over 16-token blocks, a batch of 4 of mixed lengths and 4 forks of one prompt,
+# split counts as a 132-SM GPU chooses them for a CUDA-graph table sized for a 4,096-token model
+# ---------------------------------------------------------------------------------------------------
+
+QWEN2 = dict(block_size=16, num_kv_heads=7, group=1, head_dim=32)
+QWEN2_TABLE_BLOCKS = 4096 // 16  # the decode graphs' table width: the model's whole context
+
+
+@pytest.fixture
+def h200_sms(monkeypatch):
+    """The split heuristics see a 132-SM GPU (the interpreter's stand-in is 4 SMs)."""
+    from pagedchat.kernels import _launch
+
+    monkeypatch.setattr(_launch, "_CPU_SM_COUNT", 132)
+
+
+def make_fork_case(prefix_len, extras, block_size, num_kv_heads, head_dim, dtype, gen):
+    """len(extras) forks of one prompt: their tables share the prompt's full blocks; each fork owns its
+    last (copied-on-write) block and `extra` more tokens. Every slot outside a fork's tokens is NaN."""
+    shared = prefix_len // block_size
+    lens = [prefix_len + e for e in extras]
+    own = [-(-n // block_size) - shared for n in lens]
+    num_blocks = shared + sum(own) + 2
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    perm = torch.randperm(num_blocks, generator=gen).to(torch.int32)
+    table = torch.full((len(lens), QWEN2_TABLE_BLOCKS), -1, dtype=torch.int32)
+    table[:, :shared] = perm[:shared]
+    used = shared
+    for i, n in enumerate(own):
+        table[i, shared:shared + n] = perm[used:used + n]
+        used += n
+    prompt_k = torch.randn(prefix_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+    prompt_v = torch.randn(prefix_len, num_kv_heads, head_dim, generator=gen).to(dtype)
+    for i, n in enumerate(lens):
+        for t in range(n):
+            block, offset = int(table[i, t // block_size]), t % block_size
+            fresh = t >= prefix_len
+            k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype) if fresh \
+                else prompt_k[t]
+            v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype) if fresh \
+                else prompt_v[t]
+    return k_cache, v_cache, table, lens
+
+
+def check_qwen2_decode(dtype, forks, device="cpu", graph=False):
+    gen = torch.Generator().manual_seed(1600 + forks)
+    if forks:
+        k_cache, v_cache, table, lens = make_fork_case(1593, [1, 8, 9, 40], QWEN2["block_size"],
+                                                       QWEN2["num_kv_heads"], QWEN2["head_dim"], dtype, gen)
+    else:
+        lens = [1601, 1587, 777, 1]
+        k_cache, v_cache, table = make_case(lens, QWEN2["block_size"], QWEN2["num_kv_heads"],
+                                            QWEN2["head_dim"], dtype, gen)
+        padded = torch.full((len(lens), QWEN2_TABLE_BLOCKS), -1, dtype=torch.int32)
+        padded[:, :table.shape[1]] = table
+        table = padded
+    q = torch.randn(len(lens), QWEN2["num_kv_heads"], QWEN2["head_dim"], generator=gen).to(dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    scale = QWEN2["head_dim"] ** -0.5
+    ref = K.paged_decode_attention_ref(q.double(), k_cache.double(), v_cache.double(), table, seq_lens, scale)
+    args = [x.to(device) for x in (q, k_cache, v_cache, table, seq_lens)]
+    out = torch.full_like(args[0], float("nan"))
+    if graph:  # captured with other lengths, replayed with these (as the engine's decode graphs are)
+        lens_buf = torch.zeros_like(args[4])
+        K.paged_decode_attention(args[0], args[1], args[2], args[3], lens_buf, scale, out=out)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            K.paged_decode_attention(args[0], args[1], args[2], args[3], lens_buf, scale, out=out)
+        lens_buf.copy_(args[4])
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+    else:
+        K.paged_decode_attention(*args, scale, out=out, backend="triton")
+    assert_matches_oracle(out.cpu(), ref, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype,forks", [(torch.float32, False), (torch.bfloat16, True),
+                                         pytest.param(torch.bfloat16, False, marks=SLOW),
+                                         pytest.param(torch.float32, True, marks=SLOW)],
+                         ids=["fp32-batch4", "bf16-forks4", "bf16-batch4", "fp32-forks4"])
+def test_qwen2_shape_decode(interpret, h200_sms, dtype, forks):
+    check_qwen2_decode(dtype, forks)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen2_shape_prefill_long_prefix_short_chunks(interpret, dtype):
+    # chunked prefill's last chunks over ~1,600-token prefixes, one token, and a short whole prompt
+    check_prefill([1600, 1601, 1234, 40], [64, 17, 1, 40], QWEN2["block_size"], QWEN2["num_kv_heads"],
+                  QWEN2["group"], QWEN2["head_dim"], dtype, seed=1600)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qwen2_shape_write_kv_and_copy_blocks(interpret, dtype):
+    check_write_and_copy(QWEN2["num_kv_heads"], QWEN2["head_dim"], QWEN2["block_size"], dtype, "cpu")
+
+
+def check_write_and_copy(num_kv_heads, head_dim, block_size, dtype, device):
+    """write_kv (strided k/v views, padding slots) then copy_blocks, bit for bit against the twins."""
+    gen = torch.Generator().manual_seed(head_dim + num_kv_heads)
+    shape = (12, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    kv = torch.randn(9, 2, num_kv_heads, head_dim, generator=gen).to(dtype)
+    slots = torch.tensor([3, -1, 5 * block_size + 2, 17, -1, 40, 11 * block_size + block_size - 1, 0, 1])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    K.write_kv_ref(kv[:, 0], kv[:, 1], want_k, want_v, slots)
+    K.copy_blocks_ref(want_k, want_v, [0, 5, 11], [7, 8, 9])
+    k_cache, v_cache, kv, slots = (x.to(device) for x in (k_cache, v_cache, kv, slots))
+    K.write_kv(kv[:, 0], kv[:, 1], k_cache, v_cache, slots, backend="triton")
+    K.copy_blocks(k_cache, v_cache, [0, 5, 11], [7, 8, 9], backend="triton")
+    assert_same(k_cache.cpu(), want_k)
+    assert_same(v_cache.cpu(), want_v)
+
+
+# ---------------------------------------------------------------------------------------------------
 # write_kv / copy_blocks under the interpreter
 # ---------------------------------------------------------------------------------------------------
 
@@ -608,6 +734,28 @@ def test_gpu_write_and_copy_bf16(compiled):
     K.copy_blocks(k_cache, v_cache, [1, 2, 3], [60, 61, 62])
     K.copy_blocks_ref(want_k, want_v, [1, 2, 3], [60, 61, 62])
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("forks", [False, True], ids=["batch4", "forks4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_gpu_qwen2_shape_decode(compiled, dtype, forks, graph):
+    check_qwen2_decode(dtype, forks, device="cuda", graph=graph)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_qwen2_shape_prefill_write_and_copy(compiled, dtype):
+    check_prefill([1600, 1601, 1234, 40], [64, 17, 1, 40], QWEN2["block_size"], QWEN2["num_kv_heads"],
+                  QWEN2["group"], QWEN2["head_dim"], dtype, seed=1600, device="cuda")
+    check_prefill([1600, 700], [1600, 700], QWEN2["block_size"], QWEN2["num_kv_heads"], QWEN2["group"],
+                  QWEN2["head_dim"], dtype, seed=1601, device="cuda")
+    check_write_and_copy(QWEN2["num_kv_heads"], QWEN2["head_dim"], QWEN2["block_size"], dtype, "cuda")
 
 
 @pytest.mark.gpu
