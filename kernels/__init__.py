@@ -7,6 +7,10 @@ Dispatch rule of every entry point (backend="auto", the default):
     TRITON_INTERPRET=1 is set (the Triton interpreter then runs the kernel on CPU tensors);
   * otherwise the pure-torch twin (`*_ref`), which is also the float64 oracle.
 backend="triton" or backend="torch" forces a path.
+
+Quantized pools (kv_quant.py: int8 / float8 values + float16 scales per slot and KV head) pass `k_scale=` and
+`v_scale=` to every entry point. The Triton kernels (v2) read and write them on the GPU; elsewhere the torch
+twins do.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import warnings
 import torch
 
 from .moe_reference import fused_moe_ref
-from .windowed_reference import paged_decode_attention_windowed_ref, paged_prefill_attention_windowed_ref
 from .reference import (
     copy_blocks_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     write_kv_ref,
+)
+from .windowed_reference import (
+    paged_decode_attention_windowed_ref,
+    paged_prefill_attention_windowed_ref,
 )
 
 # Triton itself is imported on first use only: the import costs a fifth of a second of every CPU start-up,
@@ -84,7 +91,7 @@ def __getattr__(name: str):
 
 
 _BACKENDS = ("auto", "triton", "torch")
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn)
 
 
 def triton_interpret_enabled() -> bool:
@@ -109,65 +116,82 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
     return backend
 
 
+def _scales(k_scale, v_scale) -> dict:
+    """The scale keywords of a quantized pool's call (none for a float pool: the calls as before)."""
+    assert (k_scale is None) == (v_scale is None), "k_scale and v_scale come together"
+    return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+
+
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, backend=None,
-                           sliding_window=None, softcap=None):
+                           sliding_window=None, softcap=None, impl=None, k_scale=None, v_scale=None):
     """q [B, Hq, D] attends to its paged context -> [B, Hq, D] (a zero-length row gives zeros).
 
     `out` (optional, shape and dtype of q) receives the result and is returned: every row is written.
     `sliding_window` W: only the last W keys are seen (and read); `softcap` c: scores -> c * tanh(s / c).
+    `impl` "v1" / "v2": which Triton kernels (default: $PAGEDCHAT_ATTN, else v2; see docs/kernels.md).
+    `k_scale`, `v_scale` [num_blocks, block_size, Hkv]: the caches are quantized (kv_quant.py).
     """
+    scales = _scales(k_scale, v_scale)
     if resolve_backend(backend, q, k_cache) == "triton":
         decode = _triton_function("paged_decode_attention_triton")
-        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
-                      sliding_window=sliding_window, softcap=softcap)
+        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, impl=impl,
+                      sliding_window=sliding_window, softcap=softcap, **scales)
     if sliding_window or softcap:
         return paged_decode_attention_windowed_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                                   sliding_window, softcap, out)
-    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out)
+                                                   sliding_window, softcap, out, **scales)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, out, **scales)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *, out=None,
-                            backend=None, sliding_window=None, softcap=None):
+                            backend=None, sliding_window=None, softcap=None, impl=None, k_scale=None, v_scale=None):
     """Causal attention of each sequence's new tokens (the last ones of its context) -> [total_q, Hq, D].
 
     `out` (optional) receives the result; rows outside every sequence's query range are unspecified.
-    `sliding_window` W: the token at position p sees keys p-W+1..p; `softcap` as for decode.
+    `sliding_window` W: the token at position p sees keys p-W+1..p; `softcap`, `impl` and the scales as for
+    decode.
     """
+    scales = _scales(k_scale, v_scale)
     if resolve_backend(backend, q, k_cache) == "triton":
         prefill = _triton_function("paged_prefill_attention_triton")
-        return prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
-                       sliding_window=sliding_window, softcap=softcap)
+        return prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, impl=impl,
+                       sliding_window=sliding_window, softcap=softcap, **scales)
     if sliding_window or softcap:
         return paged_prefill_attention_windowed_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-                                                    scale, sliding_window, softcap, out)
+                                                    scale, sliding_window, softcap, out, **scales)
     return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale,
-                                       out)
+                                       out, **scales)
 
 
-def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None) -> None:
-    """Scatter k, v [N, Hkv, D] into the caches at slot_mapping [N]; negative slots are skipped."""
+def write_kv(k, v, k_cache, v_cache, slot_mapping, *, backend=None, k_scale=None, v_scale=None) -> None:
+    """Scatter k, v [N, Hkv, D] into the caches at slot_mapping [N]; negative slots are skipped. With
+    `k_scale`, `v_scale`, each (token, head) is quantized to the caches' dtype, its scale written beside it."""
+    scales = _scales(k_scale, v_scale)
     if resolve_backend(backend, k_cache, k) == "triton":
-        return _triton_function("write_kv_triton")(k, v, k_cache, v_cache, slot_mapping)
-    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+        return _triton_function("write_kv_triton")(k, v, k_cache, v_cache, slot_mapping, **scales)
+    return write_kv_ref(k, v, k_cache, v_cache, slot_mapping, **scales)
 
 
-def copy_blocks(k_cache, v_cache, src, dst, *, backend=None) -> None:
-    """Copy whole blocks src[i] -> dst[i] in one layer's caches (copy-on-write; dst disjoint from src)."""
+def copy_blocks(k_cache, v_cache, src, dst, *, backend=None, k_scale=None, v_scale=None) -> None:
+    """Copy whole blocks src[i] -> dst[i] in one layer's caches (copy-on-write; dst disjoint from src), and
+    a quantized pool's scales with them."""
+    scales = _scales(k_scale, v_scale)
     if resolve_backend(backend, k_cache) == "triton":
-        return _triton_function("copy_blocks_triton")(k_cache, v_cache, src, dst)
-    return copy_blocks_ref(k_cache, v_cache, src, dst)
+        return _triton_function("copy_blocks_triton")(k_cache, v_cache, src, dst, **scales)
+    return copy_blocks_ref(k_cache, v_cache, src, dst, **scales)
 
 
-def copy_blocks_all_layers(k_caches, v_caches, src, dst, *, backend=None) -> None:
-    """copy_blocks over per-layer lists of caches (the index tensors are built once)."""
+def copy_blocks_all_layers(k_caches, v_caches, src, dst, *, backend=None, k_scales=None, v_scales=None) -> None:
+    """copy_blocks over per-layer lists of caches (and of scales: `k_scales`, `v_scales`); the index tensors
+    are built once."""
     assert len(k_caches) == len(v_caches)
     if not k_caches:
         return
     device = k_caches[0].device
     src = torch.as_tensor(src, dtype=torch.long, device=device)
     dst = torch.as_tensor(dst, dtype=torch.long, device=device)
-    for k_cache, v_cache in zip(k_caches, v_caches):
-        copy_blocks(k_cache, v_cache, src, dst, backend=backend)
+    no_scales = [None] * len(k_caches)
+    for k_cache, v_cache, k_scale, v_scale in zip(k_caches, v_caches, k_scales or no_scales, v_scales or no_scales):
+        copy_blocks(k_cache, v_cache, src, dst, backend=backend, k_scale=k_scale, v_scale=v_scale)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids, *, backend=None):
