@@ -156,13 +156,24 @@ def main() -> None:
             print("pagedchat: interrupted", file=sys.stderr)
             sys.exit(130)
         if "ClickException" in names and not debug:
-            e.show()
+            print(f"pagedchat: error: {_usage_line(e, names)}", file=sys.stderr)
             sys.exit(e.exit_code)
         if debug:
             raise
         print(f"pagedchat: internal error: {type(e).__name__}: {e} (run with --debug for the traceback)",
               file=sys.stderr)
         sys.exit(1)
+
+def _usage_line(error, names: set[str]) -> str:
+    """A click usage error in one line, as README promises (click prints four: usage, a hint, a blank line
+    and the message): the message, then where the help is."""
+    message = " ".join(error.format_message().split()).rstrip(".")
+    message = message[:1].lower() + message[1:]
+    ctx = getattr(error, "ctx", None)
+    if "UsageError" in names and ctx is not None:
+        message += f" (see {ctx.command_path} --help)"
+    return message
+
 
 def console_main() -> None:
     """The installed `pagedchat` command: main(), then, once every output is flushed, an immediate exit.

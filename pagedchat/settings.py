@@ -57,28 +57,79 @@ class SamplingOptions:
 
 
 def load_engine(opts: ModelOptions, show_progress: bool = True):
-    """Resolve the model through models.toml and build the engine (model, tokenizer, pool)."""
-    from pagedchat.engine import Engine, EngineConfig
+    """Resolve the model through models.toml and build the engine (model, tokenizer, pool). Every setting is
+    checked before torch loads (`engine_config`), so a bad flag fails at once."""
+    entry = resolve_entry(opts)
+    config = engine_config(opts, entry)
+    from pagedchat.engine import Engine
+
+    try:
+        return Engine(config, show_progress=show_progress), entry
+    except SettingError as e:
+        raise UserError(cli_words(e)) from None
+
+
+def resolve_entry(opts: ModelOptions):
+    """The models.toml entry (or folder) -m names; one line when it names nothing or a remote model."""
     from pagedchat.registry import Registry
 
     entry = Registry().resolve(opts.model)
     if entry.table.get("kind") == "remote":
         raise UserError(f"model {entry.name} is a remote model (kind = \"remote\" in models.toml): `chat` and "
                         f"`run` reach it through its server; the local engine cannot load it")
+    return entry
+
+
+def engine_config(opts: ModelOptions, entry):
+    """The EngineConfig of these flags over the model's models.toml entry, validated (torch-free: the
+    config module imports nothing heavy)."""
+    from pagedchat.engine.core.config import EngineConfig
+
     dtype = opts.dtype or entry.get("dtype", "auto").value
     max_context = opts.max_context if opts.max_context is not None else entry.get("max_context").value
     trust = bool(entry.table.get("trust_remote_code", False))  # per model only, never from [defaults]
     template = _read_template(entry.table["chat_template"], entry) if entry.table.get("chat_template") else None
     try:
-        config = EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
-                              kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
-                              kv_allocation=opts.kv_allocation, chat_template=template,
-                              kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
-                              kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM,
-                              quantize=quantize_setting(opts, entry), **speculation_settings(opts, entry))
-        return Engine(config, show_progress=show_progress), entry
+        return EngineConfig(model=str(entry.path), device=opts.device, dtype=dtype, block_size=opts.block_size,
+                            kv_memory=opts.kv_memory, max_model_len=max_context, trust_remote_code=trust,
+                            kv_allocation=opts.kv_allocation, chat_template=template,
+                            kv_disk=opts.kv_disk if opts.kv_disk is not None else DEFAULT_KV_DISK,
+                            kv_ram=opts.kv_ram if opts.kv_ram is not None else DEFAULT_KV_RAM,
+                            quantize=quantize_setting(opts, entry), **speculation_settings(opts, entry))
     except SettingError as e:
         raise UserError(cli_words(e)) from None
+
+
+def check_before_load(opts: ModelOptions, sampling: SamplingOptions | None = None,
+                      model_from_session: bool = False) -> None:
+    """What the model, pool and sampling flags can be checked for without torch (the model named, sizes,
+    block size, dtype, quantize, speculation; every sampling value), so these errors come in a fraction of
+    a second instead of after torch has loaded. A server (--server, a remote entry) checks its own flags;
+    model_from_session: no -m, and a saved session will name the model (checked when it is opened)."""
+    if sampling is not None:
+        check_sampling(sampling)
+    if not model_from_session and not is_remote(opts):
+        engine_config(opts, resolve_entry(opts))
+
+
+def check_sampling(sampling: SamplingOptions) -> None:
+    """The sampling flags as SamplingParams checks them (the one message, one line)."""
+    from pagedchat.engine.core.sampling_params import SamplingParams
+
+    SamplingParams(**sampling.given())
+
+
+def is_remote(opts) -> bool:
+    """--server given, or -m names a `kind = "remote"` models.toml entry."""
+    if getattr(opts, "server", None):
+        return True
+    if not opts.model:
+        return False
+    from pagedchat.registry import Registry
+
+    registry = Registry()
+    key = registry._lookup(opts.model)
+    return key is not None and registry.models[key].get("kind") == "remote"
 
 
 def kv_report(pool) -> dict:

@@ -16,9 +16,11 @@ def article(word: str) -> str:
 
 
 def cut_mark(finish_reason: str | None) -> str:
-    """A reply cut by max_tokens or the context must not pass for a whole one: a dim [length] after it on a
-    terminal. A pipe gets the text alone (scripts read finish_reason from --json)."""
-    return " \x1b[2m[length]\x1b[0m" if finish_reason == "length" and _is_terminal() else ""
+    """A reply cut by max_tokens, the context or Ctrl-C must not pass for a whole one: a dim [length] or
+    [interrupted] after it on a terminal. A pipe gets the text alone (and a note on stderr; scripts read
+    finish_reason from --json)."""
+    mark = {"length": "length", "abort": "interrupted"}.get(finish_reason or "")
+    return f" \x1b[2m[{mark}]\x1b[0m" if mark and _is_terminal() else ""
 
 
 def _is_terminal() -> bool:

@@ -90,3 +90,17 @@ def test_bench_kernels_without_cuda_is_a_clear_error(monkeypatch):
     result = CliRunner().invoke(app, ["bench", "kernels"])
     assert isinstance(result.exception, UserError)
     assert "CUDA" in str(result.exception)
+
+
+def test_step_smoke_splits_the_step_into_its_parts():
+    r = bench("step", "--tokens", "3", "--repeats", "1")
+    ms = r["ms_per_step"]
+    assert set(ms) == {"step", "model forward", "compute_logits", "engine Python"} and r["model"] == "demo"
+    assert ms["step"]["cpu"] > 0 and ms["model forward"]["cpu"] <= ms["step"]["cpu"]
+
+
+def test_accuracy_smoke_int8_on_the_demo_model():
+    r = bench("accuracy", "-m", "demo", "--prompts", "1", "--tokens", "4")
+    row = r["rows"][0]
+    assert r["quantize"] == "int8" and row["prompts"] == 1 and 0 <= row["greedy_agreement"] <= 1
+    assert 0 <= row["max_logit_error_rel_spread"] < 0.05     # trained weights: int8 moves logits little

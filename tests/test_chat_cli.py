@@ -28,7 +28,9 @@ def test_run_session_creates_then_continue_appends(cli, model, env):
     data = read_session(env, "notes")
     assert [n["role"] for n in data["nodes"]] == ["user", "assistant"]
     reply = data["nodes"][1]
-    assert first.output.strip() == reply["text"].strip() and len(reply["token_ids"]) == 8
+    assert first.stdout.strip() == reply["text"].strip() and len(reply["token_ids"]) == 8   # stdout: the reply alone
+    assert first.stderr.strip() == ("pagedchat: note: the reply was cut at the length limit (--max-tokens): raise "
+                                    "it for longer replies")
     assert stat.S_IMODE((env / "data" / "pagedchat" / "sessions" / "notes.json").stat().st_mode) == 0o600
 
     cli("run", "-m", model, "--session", "other", *FAST, "a b c")  # now "other" is the most recent
@@ -36,7 +38,7 @@ def test_run_session_creates_then_continue_appends(cli, model, env):
     assert again.exit_code == 0, again.output
     follow = cli("run", "-c", *FAST, "--json", "and then?")
     assert follow.exit_code == 0, follow.output
-    report = json.loads(follow.output)
+    report = json.loads(follow.stdout)
     assert set(report) >= {"model", "outputs", "usage", "kv", "timing"}
     assert report["session"]["name"] == "notes"  # the most recently used one
     nodes = read_session(env, "notes")["nodes"]

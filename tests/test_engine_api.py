@@ -80,7 +80,7 @@ def test_fit_checks_raise_typed_errors_with_their_numbers():
 
 # -- one sampling rule -------------------------------------------------------------------------------------------
 def test_every_front_end_takes_the_sampling_keys_samplingparams_declares():
-    from pagedchat.chat.controller import SET_KEYS
+    from pagedchat.chat.options import SET_KEYS
     from pagedchat.serve.app import SAMPLING_FIELDS
     from pagedchat.settings import SamplingOptions
 

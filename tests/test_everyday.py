@@ -271,7 +271,7 @@ def test_repl_collapses_reasoning_once_done_and_think_off_asks_the_template(thin
     assert "thought: first I add the numbers" in screen and "It is 4." in screen and "<think>" not in screen
     shell.handle("/think off")
     assert ctl.think_mode() == "off" and "enable_thinking false" in buffer.getvalue()
-    prompt = ctl.templater.render([{"role": "user", "content": "x"}], True) if ctl._apply_think() is None else ""
+    prompt = ctl.templater.render([{"role": "user", "content": "x"}], True) if ctl.options.apply_think(ctl.session) is None else ""
     assert prompt.endswith("</think>\n\n")
 
 

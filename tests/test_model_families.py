@@ -109,21 +109,6 @@ def test_grouped_moe_equals_per_token_loop(num_tokens):
     torch.testing.assert_close(K.fused_moe_ref(x, w13, w2, weights, ids), expected)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gemma2"])
-def test_engine_on_triton_kernels_under_the_interpreter(model_dirs, monkeypatch, arch):
-    """Every attention layer (windows and soft-caps included) and every MoE layer on the Triton path."""
-    if not K.HAS_TRITON:
-        pytest.skip("triton not installed")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    engine, hf = engine_for(model_dirs, arch), model_dirs[arch][1]
-    model = engine.runner.model
-    for layer in model.attention_layers() + (model.moe_layers() if hasattr(model, "moe_layers") else []):
-        layer.backend = "triton"
-    prompt = prompts(1, seed=15, lo=30, hi=30)[0]
-    out = engine.generate([prompt], GREEDY.with_(max_tokens=8))[0]
-    assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, 8))
-
-
 @pytest.mark.parametrize("arch", NEW_FAMILIES)
 def test_models_show_names_the_family(typer_cli, model_dirs, arch):
     shown = json.loads(typer_cli("models", "show", str(model_dirs[arch][0]), "--json").output)

@@ -2,7 +2,7 @@
 
 fp32 stays exact (the equality tests run without it); int8 is checked for staying close to fp32 on the shipped
 demo model, whose trained weights are what a user runs (the tests' random models use a large init std on
-purpose, the worst case for a quantizer: scripts/int8_accuracy.py measures those, docs/benchmarks.md)."""
+purpose, the worst case for a quantizer: `pagedchat bench accuracy` measures those, docs/benchmarks.md)."""
 
 from __future__ import annotations
 

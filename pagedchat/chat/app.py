@@ -11,7 +11,7 @@ from dataclasses import replace
 from pagedchat.chat.controller import ChatController
 from pagedchat.chat.session import check_name
 from pagedchat.chat.store import SessionStore
-from pagedchat.settings import ModelOptions, SamplingOptions, check_overflow, load_engine
+from pagedchat.settings import ModelOptions, SamplingOptions, check_overflow, is_remote, load_engine
 from pagedchat.errors import UserError
 
 
@@ -48,9 +48,9 @@ def start(model_opts: ModelOptions, sampling: SamplingOptions, session_name: str
 def _generator(model_opts: ModelOptions, show_progress: bool):
     """(engine, entry, backend) for the controller: backend is a RemoteBackend when a server generates (the
     engine is then None), else None (the controller wraps the engine in a ChatBackend)."""
-    from pagedchat.chat.remote_backend import is_remote, open_remote
-
     if is_remote(model_opts):
+        from pagedchat.chat.remote_backend import open_remote
+
         backend, entry = open_remote(model_opts, show_progress)
         return None, entry, backend
     engine, entry = load_engine(model_opts, show_progress=show_progress)

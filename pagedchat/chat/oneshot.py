@@ -68,6 +68,13 @@ def _run_turn(ctl, created: bool, text: str, system: str | None, num_variants: i
             print(f"--- variant {reply.variant or 1} (#{reply.id}) ---")
             print(reply.text + cut_mark(reply.finish_reason))
     sys.stdout.flush()
+    for line in result.notes:   # stdout holds the reply alone: what to know about it goes to stderr
+        print(f"pagedchat: note: {line}", file=sys.stderr)
+    cut = [r for r in result.replies if r.finish_reason == "length"]
+    if cut and not as_json and not sys.stdout.isatty() and result.stats.get("capped_max_tokens") is None:
+        which = "the reply was" if len(result.replies) == 1 else f"{len(cut)} of {len(result.replies)} variants were"
+        print(f"pagedchat: note: {which} cut at the length limit (--max-tokens): raise it for longer replies",
+              file=sys.stderr)
     if result.save_error:
         print(f"pagedchat: error: {result.save_error}", file=sys.stderr)
         return 1

@@ -215,19 +215,6 @@ def _usage(usage) -> dict | None:
 
 
 # -- connecting -----------------------------------------------------------------------------------------------
-def is_remote(opts) -> bool:
-    """--server given, or -m names a `kind = "remote"` models.toml entry."""
-    if getattr(opts, "server", None):
-        return True
-    if not opts.model:
-        return False
-    from pagedchat.registry import Registry
-
-    registry = Registry()
-    key = registry._lookup(opts.model)
-    return key is not None and registry.models[key].get("kind") == "remote"
-
-
 # Flags that set up the local engine, with the value that means "not given". With a server generating they
 # would do nothing, so they are refused in one line instead of being ignored.
 _LOCAL_ENGINE_FLAGS = {"device": ("--device", "auto"), "dtype": ("--dtype", None),

@@ -14,7 +14,8 @@ from rich.console import Console
 from rich.text import Text
 
 from pagedchat.chat import render
-from pagedchat.chat.controller import ALL_SET_KEYS, THINK_MODES, ChatController
+from pagedchat.chat.controller import ChatController
+from pagedchat.chat.options import ALL_SET_KEYS, THINK_MODES
 from pagedchat.chat.shell import COMMAND_NAMES, ChatShell, ChatUI
 from pagedchat.errors import UserError
 from pagedchat.words import counted

@@ -22,7 +22,8 @@ from rich.text import Text
 from pagedchat.chat import render
 from pagedchat.chat.alternatives import parse_branch_args
 from pagedchat.chat.backend import stop_on_ctrl_c
-from pagedchat.chat.controller import ALL_SET_KEYS, MAX_FORK, ChatController, TurnResult
+from pagedchat.chat.controller import MAX_FORK, ChatController, TurnResult
+from pagedchat.chat.options import ALL_SET_KEYS
 from pagedchat.errors import UserError
 from pagedchat.words import article, counted
 
@@ -444,12 +445,13 @@ _COMMANDS = [
     Command("/edit", "/edit ID [NEW TEXT]", "Change an earlier user message: a sibling branch with the new "
                                             "text is answered; the original branch stays.\nWithout NEW TEXT "
                                             "the message opens for editing.", _edit),
-    Command("/fork", "/fork N [MESSAGE]", "N variants generated in parallel as forks of one sequence (one "
-                                          "prefill), side by side: of MESSAGE's reply, or new variants of the "
-                                          "last reply. Then /pick K.", _fork),
-    Command("/beam", "/beam W [MESSAGE]", "Beam search with W beams sharing blocks copy-on-write: the W "
-                                          "hypotheses, best first, side by side with their scores (of "
-                                          "MESSAGE's reply, or of the last message again). Then /pick K.", _beam),
+    Command("/fork", "/fork N [MESSAGE]", f"N variants (N from 1 to {MAX_FORK}) generated in parallel as forks of "
+                                          "one sequence (one prefill), side by side: of MESSAGE's reply, or new "
+                                          "variants of the last reply. Then /pick K.", _fork),
+    Command("/beam", "/beam W [MESSAGE]", f"Beam search with W beams (W from 1 to {MAX_FORK}) sharing blocks "
+                                          "copy-on-write: the W hypotheses, best first, side by side with their "
+                                          "scores (of MESSAGE's reply, or of the last message again). Then /pick K.",
+            _beam),
     Command("/pick", "/pick K", "Continue from variant K of the last /fork or /beam (the others stay in the "
                                 "tree).", _pick, saves=True),
     Command("/system", "/system [TEXT|--clear]", "Show or set the system prompt; a new one starts a new "

@@ -479,3 +479,53 @@ def _plot_path(plot: Optional[str]) -> Optional[str]:
     except ImportError:
         raise UserError("--plot needs matplotlib: pip install 'pagedchat[plot]'") from None
     return plot
+
+
+@bench.command("accuracy", help="Quantized weights against the unquantized model on the same prompts: greedy "
+                                "tokens agreeing and the largest logit error (without -m: random models of the "
+                                "four Llama-family architectures).")
+def accuracy(
+    model: Optional[str] = MODEL,
+    random_size: str = typer.Option("small", "--random-size", help="tiny, small or 1b (without -m)."),
+    init_std: Optional[float] = typer.Option(None, "--init-std", help="The random models' initializer_range "
+                                                                      "(default: the size's; 0.02 is what trained "
+                                                                      "checkpoints look like)."),
+    quantize: str = typer.Option("int8", "--quantize", help="The quantized mode measured: int8."),
+    prompts: int = typer.Option(8, "--prompts", help="Prompts per model."),
+    tokens: int = typer.Option(32, "--tokens", help="Greedy tokens per prompt."),
+    as_json: bool = JSON,
+) -> None:
+    from pagedchat.bench.accuracy import print_accuracy_report, run_accuracy_bench
+
+    if quantize != "int8":
+        raise UserError(f"--quantize must be int8 here, got {quantize!r}")
+    if prompts < 1 or tokens < 1:
+        raise UserError("--prompts and --tokens must be >= 1")
+    _finish(run_accuracy_bench(model, random_size, init_std, prompts, tokens), as_json, print_accuracy_report)
+
+
+@bench.command("step", help="Where a batch-1 decode step's time goes: the engine's own Python against the "
+                            "model's forward (CPU; wall and thread CPU time).")
+def step(
+    model: Optional[str] = typer.Option("demo", "-m", "--model", help="models.toml name or local HF folder."),
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = typer.Option("small", "--random-size", help="tiny, small or 1b (with --random)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="int8: the weight-only int8 model."),
+    tokens: int = typer.Option(200, "--tokens", help="Decode steps per repeat."),
+    repeats: int = typer.Option(5, "--repeats", help="Repeats; the median counts."),
+    threads: Optional[int] = THREADS,
+    as_json: bool = JSON,
+) -> None:
+    import tempfile
+    from pathlib import Path
+
+    from pagedchat import threads as torch_threads
+    from pagedchat.bench.models import resolve_model
+    from pagedchat.bench.step import print_step_report, run_step_bench
+
+    count = _threads(threads, "cpu") or 1
+    torch_threads.apply_threads(count)
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(None if random_arch else model, random_arch, random_size, Path(tmp))
+        result = run_step_bench(str(path), name, count, tokens, repeats, quantize)
+    _finish(result, as_json, print_step_report)

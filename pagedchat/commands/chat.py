@@ -42,12 +42,6 @@ def chat(
     quantize: Optional[str] = common.QUANTIZE,
     server: Optional[str] = common.SERVER,
 ) -> None:
-    from rich.console import Console
-    from rich.text import Text
-
-    from pagedchat.chat.app import start
-    from pagedchat.chat.repl import run_repl
-
     model_opts = common.ModelOptions(model=model, device=device, dtype=dtype, block_size=block_size,
                                     kv_memory=kv_memory, max_context=max_context, speculate=speculate,
                                     num_draft_tokens=num_draft_tokens, draft_model=draft_model,
@@ -55,7 +49,15 @@ def chat(
     sampling = common.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                       max_tokens=max_tokens, seed=seed, repetition_penalty=repetition_penalty,
                                       stop=stop)
-    _check_flags(sampling)
+    # bad flags fail before torch loads
+    common.check_before_load(model_opts, sampling, model_from_session=model is None and (session or continue_last))
+    common.check_overflow(context_overflow, "--context-overflow")
+    from rich.console import Console
+    from rich.text import Text
+
+    from pagedchat.chat.app import start
+    from pagedchat.chat.repl import run_repl
+
     ctl, created = start(model_opts, sampling, session, continue_last, system, context_overflow=context_overflow)
     console = Console(highlight=False)
     if system is not None and not created and (ctl.session.system or None) != (system or None):
@@ -66,9 +68,3 @@ def chat(
         ctl.backend.close()  # what the pool and RAM tier hold goes to the disk tier for the next process
     raise typer.Exit(code)
 
-
-def _check_flags(sampling: common.SamplingOptions) -> None:
-    """Bad sampling flags fail before the model loads (the SamplingParams message, one line)."""
-    from pagedchat.engine import SamplingParams
-
-    SamplingParams(**sampling.given())

@@ -8,8 +8,10 @@ from pagedchat.prompts import chat_prompt_ids, render_chat  # noqa: F401  (re-ex
 from pagedchat.settings import (  # noqa: F401  (re-exported for the commands)
     ModelOptions,
     SamplingOptions,
+    check_before_load,
     check_overflow,
     cli_words,
+    is_remote,
     load_engine,
     resolve_sampling,
 )
@@ -36,7 +38,7 @@ MIN_P = typer.Option(None, "--min-p")
 REPETITION_PENALTY = typer.Option(None, "--repetition-penalty")
 MAX_TOKENS = typer.Option(None, "--max-tokens", help="Most tokens to generate per reply.")
 SEED = typer.Option(None, "--seed", help="Per-request seed: same seed, same tokens, whatever else runs.")
-STOP = typer.Option(None, "--stop", help="Stop string (repeatable).")
+STOP = typer.Option(None, "--stop", metavar="<str>", help="Stop string (repeatable: --stop A --stop B).")
 CONTEXT_OVERFLOW = typer.Option(None, "--context-overflow",
                                 help="When a conversation outgrows the context: stop (refuse the turn) or "
                                      "drop-oldest (keep the system prompt and the newest turns that fit). "

@@ -50,15 +50,18 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="Print JSON."
         print(json.dumps({"models": rows, "config": _config_files(registry)}))
         return
     console = Console(highlight=False)
-    view = Table(box=None, padding=(0, 2), header_style="bold")
-    for column in ("", "name", "aliases", "source", "status", "description"):
-        view.add_column(column, overflow="fold")
+    view = Table(box=None, padding=(0, 1), header_style="bold")
+    columns = ["", "name", "aliases", "source", "status"] + (["description"] if any(r["description"] for r in rows)
+                                                           else [])
+    for column in columns:   # words wrap at spaces; a path at its slashes (_wrap_path), never mid-word
+        view.add_column(column, no_wrap=column in ("", "name"), ratio=2 if column == "description" else None)
     for row in rows:
-        view.add_row("*" if row["default"] else "", Text(row["name"]), Text(", ".join(row["aliases"])), Text(row["source"]),
-                     Text(row["status"]), Text(row["description"]))
+        cells = ["*" if row["default"] else "", row["name"], ", ".join(row["aliases"]),
+                 _wrap_path(row["source"], PATH_WIDTH), row["status"], row["description"]]
+        view.add_row(*(Text(c) for c in cells[:len(columns)]))
     console.print(view)
     for label, path, exists in _config_files(registry):
-        console.print(Text(f"{label}: {path}{'' if exists else ' (not present)'}", style="dim"))
+        console.print(Text(f"{label}: {path}{'' if exists else ' (not present)'}", style="dim"), soft_wrap=True)
     console.print(Text("* default model · any local HF folder also works with -m PATH", style="dim"))
 
 
@@ -102,15 +105,16 @@ def show_model(name: str = typer.Argument(..., help="models.toml name or alias, 
                                                            for k, v, src in rows]}))
         return
     console = Console(highlight=False)
-    view = Table(box=None, padding=(0, 2), header_style="bold", title=f"model {entry.name}", title_justify="left")
+    view = Table(box=None, padding=(0, 1), header_style="bold", title=f"model {entry.name}", title_justify="left")
+    width = max(PATH_WIDTH, min(2 * PATH_WIDTH, console.width - 2 * PATH_WIDTH))   # 30 columns of 80, 60 of 120
     view.add_column("setting", no_wrap=True)
-    view.add_column("value", overflow="fold", max_width=40)
-    view.add_column("from", overflow="fold")
+    view.add_column("value", width=width)     # words wrap at spaces, a path at its slashes
+    view.add_column("from")
     for key, value, source in rows:
-        view.add_row(key, Text(_show(value)), Text(_short(source, registry)))
+        view.add_row(key, Text(_wrap_path(_show(value), width)), Text(_short(source, registry)))
     console.print(view)
     for label, path, exists in _config_files(registry):
-        console.print(Text(f"{label}: {path}{'' if exists else ' (not present)'}", style="dim"))
+        console.print(Text(f"{label}: {path}{'' if exists else ' (not present)'}", style="dim"), soft_wrap=True)
     console.print(Text("precedence: command-line flag > /set > session > model entry > [defaults] > "
                        "generation_config.json > built-in", style="dim"))
 
@@ -159,10 +163,28 @@ def _max_positions(path: Path) -> Optional[int]:
 
 
 def _short(source: str, registry) -> str:
-    """File paths of the two models.toml copies as short labels (their full paths are printed below)."""
+    """File paths of the two models.toml copies as short labels (their full paths are printed below); a
+    folder's file by its name alone (the path row shows the folder)."""
     for label, path, _ in _config_files(registry):
         source = source.replace(path + ":", label.split()[0] + " models.toml:")
-    return source
+    return Path(source).name if source.endswith("generation_config.json") else source
+
+
+PATH_WIDTH = 30     # a path in a table is cut into lines this long at its slashes (80 columns hold the rest)
+
+
+def _wrap_path(text: str, width: int) -> str:
+    """A path longer than `width` as lines broken after a slash (a table would otherwise break it mid-name,
+    wherever the column ends). Text with spaces is left alone: it wraps at them."""
+    if len(text) <= width or " " in text or "/" not in text:
+        return text
+    lines, line = [], ""
+    for part in text.replace("/", "/\0").split("\0"):
+        if line and len(line) + len(part) > width:
+            lines.append(line)
+            line = ""
+        line += part
+    return "\n".join(lines + [line] if line else lines)
 
 
 def _config_files(registry) -> list:

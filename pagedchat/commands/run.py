@@ -12,12 +12,11 @@ from typing import Optional
 import typer
 
 from pagedchat.commands import common
-from pagedchat.settings import kv_report
+from pagedchat.commands.run_output import (LiveReply, identical_note, json_report, length_note, note,
+                                           print_plain)
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
-from pagedchat.reasoning import ReasoningStream, starts_thinking
-from pagedchat.reasoning import split as split_reasoning
-from pagedchat.words import cut_mark
+from pagedchat.reasoning import starts_thinking
 
 
 def register(app: typer.Typer) -> None:
@@ -74,22 +73,25 @@ def run(
                                       stop=stop)
     if num_variants < 1:
         raise UserError(f"-n must be >= 1, got {num_variants}")
+    in_session = session is not None or continue_last
     _check_combination(prompt, file, session, continue_last, raw, system)
     common.check_overflow(context_overflow, "--context-overflow")
-    beam = _beam_settings(beams, length_penalty, early_stopping, num_variants, session is not None or continue_last)
-    if logprobs is not None and (not as_json or session is not None or continue_last):
+    beam = _beam_settings(beams, length_penalty, early_stopping, num_variants, in_session)
+    if logprobs is not None and (not as_json or in_session):
         raise UserError("--logprobs is reported in --json output: add --json (not with --session/-c)")
-    if json_schema is not None and (session is not None or continue_last):
+    if json_schema is not None and in_session:
         raise UserError("--json-schema is for one-shot prompts, not --session/-c (in chat: /set schema FILE)")
-    if session is not None or continue_last:
+    # Everything checkable without torch is checked before it loads: bad flags fail in a fraction of a second.
+    common.check_before_load(model_opts, sampling, model_from_session=model is None and in_session)
+    if in_session:
         from pagedchat.chat.oneshot import run_in_session
 
         text = _prompt_text(prompt)
         code = run_in_session(model_opts, sampling, text, session, continue_last, system, num_variants, as_json,
                               context_overflow)
         raise typer.Exit(code)
-    grammar = _schema_grammar(json_schema)
     jobs = _read_batch(file) if file is not None else [{"prompt": _prompt_text(prompt)}]
+    grammar = _schema_grammar(json_schema)
     remote = _remote(model_opts, logprobs, grammar)
     engine, entry = remote or common.load_engine(model_opts, show_progress=not as_json)
     default_system = system if system is not None else entry.get("system_prompt").value
@@ -122,10 +124,10 @@ def run(
 def _remote(model_opts, logprobs, grammar):
     """(RemoteBackend, entry) when a server generates (--server, or a kind = "remote" entry); else None.
     The backend stands in for the engine where a prompt is rendered (tokenizer, encode)."""
-    from pagedchat.chat.remote_backend import is_remote, open_remote
-
-    if not is_remote(model_opts):
+    if not common.is_remote(model_opts):
         return None
+    from pagedchat.chat.remote_backend import open_remote
+
     if logprobs is not None or grammar is not None:
         raise UserError(f"{'--logprobs' if logprobs is not None else '--json-schema'} needs the local engine: "
                         f"not available with --server")
@@ -142,17 +144,16 @@ def _generate_remote(backend, model_name: str, requests: list, messages: list, a
     """_generate's twin for a server: the prompts one after another (the server batches across its own
     clients), streamed, with the same plain and --json output plus a "remote" object."""
     start = time.perf_counter()
-    stream = not as_json and not batch and requests[0][1].n == 1
-    shown = ReasoningShown(thinking is not None and thinking[0])
-    shown_len = [0]
+    live = _live_reply(requests, as_json, batch, thinking)
+    seen: dict[int, int] = {}      # characters of each variant already fed
 
     def write(index: int, so_far: str) -> None:
-        shown.write(so_far[shown_len[0]:], raw=thinking is None)
-        shown_len[0] = len(so_far)
+        live.feed(index, so_far[seen.get(index, 0):])
+        seen[index] = len(so_far)
 
     outputs, first_token_at, interrupted = [], None, False
     for (ids, params), turn in zip(requests, messages):
-        done = backend.generate(ids, params, None, write if stream else None, messages=turn)
+        done = backend.generate(ids, params, None, write if live else None, messages=turn)
         out = done.output
         outputs.append(out)
         if first_token_at is None and out.ttft_s is not None:
@@ -162,13 +163,10 @@ def _generate_remote(backend, model_name: str, requests: list, messages: list, a
             break
     total = time.perf_counter() - start
     if as_json:
-        report = _json_report(backend, model_name, outputs, batch, start, first_token_at, total, thinking)
+        report = json_report(backend, model_name, outputs, batch, start, first_token_at, total, thinking)
         print(json.dumps({**report, "remote": backend.describe()}))
-    elif stream:
-        shown.close()
-        sys.stdout.write(cut_mark(outputs[0].outputs[0].finish_reason) + "\n")
     else:
-        _print_plain(outputs, batch, thinking)
+        _show_plain(live, outputs, requests, batch, thinking, backend.max_model_len, interrupted)
     if interrupted:
         print("pagedchat: interrupted", file=sys.stderr)
         return 130
@@ -285,32 +283,68 @@ def _opens_thinking(engine, ids: list[int]) -> bool:
 
 
 def _generate(engine, model_name: str, requests: list, as_json: bool, batch: bool, thinking=None) -> int:
-    """thinking: per prompt, whether its reply starts inside <think> (None: --raw, no reasoning split)."""
+    """thinking: per prompt, whether its reply starts inside <think> (None: --raw, no reasoning split).
+    Ctrl-C ends the run after the current step: what was generated is printed (marked interrupted), exit 130."""
+    from pagedchat.chat.backend import stop_on_ctrl_c
+
     start = time.perf_counter()
     ids, refused = _add_all(engine, requests, batch)
-    stream = not as_json and not batch and requests[0][1].n == 1 and not requests[0][1].beam_width
-    shown = ReasoningShown(thinking is not None and thinking[0])
-    first_token_at = None
-    # Ctrl-C leaves the `with`: closing the driver aborts every request (their blocks freed) and re-raises
-    with closing(engine.steps([r for r in ids if r is not None])) as steps:
-        for events in steps:
+    live = _live_reply(requests, as_json, batch, thinking)
+    first_token_at, ctrl_c = None, _CtrlC()
+    with stop_on_ctrl_c(ctrl_c), closing(engine.steps([r for r in ids if r is not None])) as steps:
+        for events in steps:    # closing the driver early aborts what is unfinished (its blocks freed)
             first_token_at = first_token_at or (time.perf_counter() if events else None)
-            for event in events:
-                if stream and event.text:
-                    shown.write(event.text, raw=thinking is None)
+            for event in events if live is not None else ():
+                live.feed(event.index, event.text, event.finish_reason)
+            if ctrl_c.pressed:
+                break
     total = time.perf_counter() - start
     outputs = [engine.pop_output(r) if r is not None else refused[i] for i, r in enumerate(ids)]
     if as_json:
-        print(json.dumps(_json_report(engine, model_name, outputs, batch, start, first_token_at, total, thinking)))
-    elif stream:
-        shown.close()
-        sys.stdout.write(cut_mark(outputs[0].outputs[0].finish_reason) + "\n")
+        print(json.dumps(json_report(engine, model_name, outputs, batch, start, first_token_at, total, thinking)))
     else:
-        _print_plain(outputs, batch, thinking)
+        _show_plain(live, outputs, requests, batch, thinking, engine.max_model_len, ctrl_c.pressed)
     errors = [f"prompt {i + 1}: {o.error}" if batch else o.error for i, o in enumerate(outputs) if o.error]
     for message in dict.fromkeys(errors):
         print(f"pagedchat: error: {message}", file=sys.stderr)
+    if ctrl_c.pressed:
+        print("pagedchat: interrupted", file=sys.stderr)
+        return 130
     return 1 if errors else 0
+
+
+class _CtrlC:
+    """Set by the SIGINT handler (chat/backend.py `stop_on_ctrl_c`); read between two steps."""
+    pressed = False
+
+    def stop(self) -> None:
+        self.pressed = True
+
+
+def _live_reply(requests: list, as_json: bool, batch: bool, thinking) -> LiveReply | None:
+    """One prompt, printed as it is generated (a batch and beam hypotheses print once done)."""
+    params = requests[0][1]
+    if as_json or batch or params.beam_width:
+        return None
+    return LiveReply(params.n, None if thinking is None else thinking[0])
+
+
+def _show_plain(live, outputs, requests, batch: bool, thinking, max_model_len, interrupted: bool) -> None:
+    """The rest of the plain output, then its notes on stderr."""
+    if live is not None:
+        live.finish(outputs[0])
+    else:
+        print_plain(outputs, batch, thinking)
+    sys.stdout.flush()
+    if not sys.stdout.isatty():     # a terminal shows a dim [length] after the cut reply itself
+        cut = length_note(outputs, [p.max_tokens for _, p in requests], max_model_len, batch)
+        if cut:
+            note(cut)
+    params = requests[0][1]
+    if not interrupted and not batch and not params.beam_width:
+        same = identical_note(outputs[0], params.temperature)
+        if same:
+            note(same)
 
 
 def _add_all(engine, requests: list, batch: bool) -> tuple[list, dict]:
@@ -331,90 +365,3 @@ def _add_all(engine, requests: list, batch: bool) -> tuple[list, dict]:
             outputs = [CompletionOutput(k, [], "", "error", None, message) for k in range(params.n)]
             refused[i] = RequestOutput(f"refused-{i}", list(prompt_ids), outputs, True, 0, None, None, message)
     return ids, refused
-
-
-def _print_plain(outputs, batch: bool, thinking) -> None:
-    for i, out in enumerate(outputs):
-        for variant in out.outputs:
-            labels = ([f"prompt {i + 1}"] if batch else []) + ([_variant_label(variant)]
-                                                              if len(out.outputs) > 1 or variant.score is not None
-                                                              else [])
-            if labels:
-                print(f"--- {' / '.join(labels)} ---")
-            text = variant.text if thinking is None else split_reasoning(variant.text, thinking[i])[1]
-            print(text + cut_mark(variant.finish_reason))
-
-
-def _variant_label(variant) -> str:
-    if variant.score is None:
-        return f"variant {variant.index + 1}"
-    return f"beam {variant.index + 1} (score {variant.score:.4f})"
-
-
-class ReasoningShown:
-    """Streams a reply to stdout: the answer as it comes; reasoning (<think>...</think>) dim on a terminal
-    and left out when stdout is a pipe (scripts get the answer; --json has the reasoning in its own field)."""
-
-    def __init__(self, thinking: bool):
-        self.stream = ReasoningStream(thinking)
-        self.tty = sys.stdout.isatty()
-
-    def write(self, text: str, raw: bool = False) -> None:
-        pieces = [("answer", text)] if raw else self.stream.feed(text)
-        self._show(pieces)
-
-    def close(self) -> None:
-        self._show(self.stream.flush())
-
-    def _show(self, pieces) -> None:
-        for kind, text in pieces:
-            if kind == "answer":
-                sys.stdout.write(text)
-            elif self.tty:
-                sys.stdout.write(f"\x1b[2m{text}\x1b[0m")
-        sys.stdout.flush()
-
-
-def _json_report(engine, model_name, outputs, batch, start, first_token_at, total, thinking=None) -> dict:
-    def output(v, i):
-        reasoning, text = (None, v.text) if thinking is None else split_reasoning(v.text, thinking[i])
-        item = {"text": text, "token_ids": v.token_ids, "finish_reason": v.finish_reason}
-        if reasoning is not None:
-            item["reasoning"] = reasoning    # as OpenAI-compatible servers' reasoning_content
-        if v.logprobs is not None:
-            item["logprobs"] = _logprobs_json(engine.tokenizer, v.logprobs)
-        if v.score is not None:    # beam search: the hypothesis' score (outputs come best first)
-            item["score"] = v.score
-        return item
-
-    def result(out, i=0):
-        return {"outputs": [output(v, i) for v in out.outputs],
-                "usage": {"prompt_tokens": out.num_prompt_tokens,
-                          "completion_tokens": sum(len(v.token_ids) for v in out.outputs)}}
-
-    completion = sum(len(v.token_ids) for o in outputs for v in o.outputs)
-    ttft = (first_token_at - start) if first_token_at else None
-    decode_time = total - (ttft or 0)
-    pool = engine.pool_stats()
-    report = {"model": model_name}
-    if batch:
-        report["results"] = [result(o, i) for i, o in enumerate(outputs)]
-        report["usage"] = {"prompt_tokens": sum(o.num_prompt_tokens for o in outputs), "completion_tokens": completion}
-    else:
-        report.update(result(outputs[0]))
-    report["kv"] = kv_report(pool)
-    report["timing"] = {"ttft_s": ttft, "decode_tokens_per_s": (completion - len(outputs)) / decode_time
-                        if decode_time > 0 and completion > len(outputs) else None, "total_s": total}
-    spec = engine.stats().spec
-    if spec is not None:  # speculation was on
-        report["spec"] = spec
-    if any(o.error for o in outputs):
-        report["errors"] = [o.error for o in outputs]
-    return report
-
-
-def _logprobs_json(tokenizer, entries) -> list[dict]:
-    def item(token_id: int, logprob: float) -> dict:
-        return {"token": tokenizer.decode([token_id]), "token_id": token_id, "logprob": logprob}
-
-    return [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]

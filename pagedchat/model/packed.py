@@ -3,11 +3,11 @@ matmul reads (`torch.ops.mkldnn._linear_pointwise`: the path inductor's CPU weig
 matmuls of a few rows and more.
 
 Why: MKL's fp32 GEMM behind nn.Linear runs a few rows at a time far below the memory-bandwidth floor. Every
-layer of the small llama on the 2-core AVX-512 CPU, interleaved A/B (scripts/bench_packed.py,
-docs/benchmarks.md): 4-6 rows 1.4x faster packed, 16 rows 1.1-1.2x, 64 rows 1.05x, 512 rows the same. Those
-are the shapes of speculative verification (1 + k rows per sequence), batched decode (serve, variants) and
-short extends. Up to 3 rows (batch-1 decode, two variants) MKL is as fast or ~10% faster: the plain weight
-stays for them.
+layer of the small llama on the 2-core AVX-512 CPU, interleaved A/B (a harness since removed: `git show
+247beda:scripts/bench_packed.py`): 4-6 rows 1.4x faster packed, 16 rows 1.1-1.2x, 64 rows 1.05x, 512 rows the
+same. Those are the shapes of speculative verification (1 + k rows per sequence), batched decode (serve,
+variants) and short extends. Up to 3 rows (batch-1 decode, two variants) MKL is as fast or ~10% faster: the
+plain weight stays for them.
 
 The copy costs memory, so it is made only while the copies stay a small share of the RAM still available.
 Small weights stay plain: oneDNN's per-call cost (~20 us) outweighs its gain below about 1 MiB (the demo
@@ -28,7 +28,7 @@ from pagedchat.model.layers import linear_children
 # The row count oneDNN picks its packed layout for: the few-row matmuls this exists for.
 PACK_FOR_ROWS = 8
 # From this many rows on the packed copy is used: MKL's kernels win below (small llama, interleaved A/B:
-# 1 row 0.90x, 2 rows 0.90x, 3 rows 0.99x, 4 rows 1.43x; scripts/bench_packed.py).
+# 1 row 0.90x, 2 rows 0.90x, 3 rows 0.99x, 4 rows 1.43x; AVX-512, the harness named above).
 PACKED_MIN_ROWS = 4
 # The packed copies may take at most this share of the RAM still available after loading.
 MAX_RAM_SHARE = 0.25

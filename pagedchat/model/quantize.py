@@ -7,7 +7,7 @@ which reads a quarter of the fp32 weight bytes. It runs on bf16 activations (its
 slower than a plain fp32 matmul), so the layer casts its input to bf16 and scales the output in fp32. Many rows
 at once (prefill) and other devices dequantize the weight for one fp matmul instead: the packed kernel is a
 matrix-vector loop, ~3x slower than fp32 GEMM on 512 rows, while dequantizing costs one weight-sized pass.
-Accuracy against fp32: scripts/int8_accuracy.py, docs/benchmarks.md.
+Accuracy against fp32: `pagedchat bench accuracy`, docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-MAX_TOP_LOGPROBS = 20
+from pagedchat.engine.core.sampling_params import MAX_TOP_LOGPROBS  # noqa: F401  (re-exported)
+
 ROWS_PER_PASS = 256      # LM-head rows per pass when scoring a prompt chunk: bounds the [rows, vocab] temporary
 
 

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields, replace
+from typing import TYPE_CHECKING
 
-from pagedchat.engine.core.grammar import GrammarSpec
-from pagedchat.engine.core.logprobs import MAX_TOP_LOGPROBS
 from pagedchat.errors import UserError
+
+if TYPE_CHECKING:   # torch-free at run time: the CLI checks sampling flags before torch loads
+    from pagedchat.engine.core.grammar import GrammarSpec
+
+MAX_TOP_LOGPROBS = 20       # alternatives per token a request may ask for (logprobs.py computes them)
 
 
 def _setting(default=None, kind: type = float, **kw):
