@@ -63,6 +63,11 @@ def prefill_size_class(total_q: int, batch: int) -> str:
     return "extend64" if per_seq <= 64 else "chunk1k" if per_seq <= 1024 else "long"
 
 
+def _with_q(size_class: str, q_dtype: torch.dtype | None) -> str:
+    """A quantized pool's class also names the queries' dtype (its dots run in it)."""
+    return size_class if q_dtype is None else f"{size_class}|q-{_dtype_name(q_dtype)}"
+
+
 def shape_class(kernel: str, head_dim: int, group: int, block_size: int, dtype: torch.dtype, size: str) -> str:
     return f"{kernel}|d{_pow2(max(16, head_dim))}|g{min(_pow2(group), 32)}|b{block_size}|{_dtype_name(dtype)}|{size}"
 
@@ -71,29 +76,34 @@ def shape_class(kernel: str, head_dim: int, group: int, block_size: int, dtype: 
 # Defaults: what the tile sizes need in shared memory, not measurements
 # ---------------------------------------------------------------------------------------------------
 
-def default_decode(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
-    """K and V tiles of ~32 KiB per stage: 64 keys at D=128 in bf16, 128 in int8/fp8, 32 at D=256."""
-    elt = torch.empty((), dtype=dtype).element_size()
+def default_decode(head_dim: int, dtype: torch.dtype, q_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """K and V tiles of ~32 KiB per stage: 64 keys at D=128 in bf16, 32 at D=256. A quantized pool (dtype
+    int8 / fp8, q_dtype the queries') keeps the tile its values take in q's dtype in registers (128 int8 keys
+    would take every register) and prefetches two tiles instead of one."""
+    elt = torch.empty((), dtype=q_dtype or dtype).element_size()
     tile = max(16, min(128, _pow2(_STAGE_BYTES // (2 * _pow2(max(16, head_dim)) * elt) + 1) // 2))
     # 4 stages: the block-table read takes one, so K and V of the next tile are in flight during this one.
-    return DecodeConfig(tile=tile, num_warps=4, num_stages=4, programs_per_sm=4, min_tiles=4)
+    return DecodeConfig(tile=tile, num_warps=4, num_stages=4 if q_dtype is None else 5, programs_per_sm=4,
+                        min_tiles=4)
 
 
 def default_prefill(head_dim: int, dtype: torch.dtype, size: str, q_dtype: torch.dtype | None = None) -> PrefillConfig:
     """dtype: the KV pool's; q_dtype: the queries' where it differs (a quantized pool computes in it)."""
     block_d = _pow2(max(16, head_dim))
-    if torch.float32 in (dtype, q_dtype):  # IEEE fp32 dots run on the FMA units: small tiles keep registers low
-        return PrefillConfig(rows=64, tile=32, num_warps=4, num_stages=2)
+    if torch.float32 in (dtype, q_dtype):
+        # IEEE fp32 dots run on the FMA units, each thread holding whole rows of its operands: larger tiles spill
+        # on sm_90 (docs/kernels.md). fp32 serves exactness checks, not speed.
+        return PrefillConfig(rows=32 if block_d <= 64 else 16, tile=16, num_warps=4, num_stages=2)
     if block_d > 128:
         return PrefillConfig(rows=64, tile=32, num_warps=8, num_stages=2)
     rows = 64 if size == "extend64" else 128
     return PrefillConfig(rows=rows, tile=64, num_warps=8 if block_d == 128 else 4, num_stages=3)
 
 
-def decode_candidates(head_dim: int, dtype: torch.dtype) -> list[DecodeConfig]:
+def decode_candidates(head_dim: int, dtype: torch.dtype, q_dtype: torch.dtype | None = None) -> list[DecodeConfig]:
     """What `bench kernels --tune` tries for a decode class (the default first): tile sizes, the depth of the
     K/V prefetch (num_stages 5 keeps two tiles in flight), then how finely the split plan cuts the work."""
-    base = default_decode(head_dim, dtype)
+    base = default_decode(head_dim, dtype, q_dtype)
     out = [base]
     for tile in sorted({max(16, base.tile // 2), base.tile, min(256, base.tile * 2)}):
         for warps, stages in ((4, 4), (4, 5), (8, 4)):
@@ -103,13 +113,15 @@ def decode_candidates(head_dim: int, dtype: torch.dtype) -> list[DecodeConfig]:
     return list(dict.fromkeys(out))
 
 
-def prefill_candidates(head_dim: int, dtype: torch.dtype, size: str) -> list[PrefillConfig]:
+def prefill_candidates(head_dim: int, dtype: torch.dtype, size: str,
+                       q_dtype: torch.dtype | None = None) -> list[PrefillConfig]:
     """What `bench kernels --tune` tries for a prefill class (the default first). Shapes that spill registers
     on sm_90 are left out (128 rows need 8 warps at head dim 128: docs/kernels.md)."""
-    base = default_prefill(head_dim, dtype, size)
-    if dtype == torch.float32:
-        grid = [PrefillConfig(64, 32, 4, 2), PrefillConfig(64, 32, 8, 2), PrefillConfig(64, 64, 8, 2),
-                PrefillConfig(128, 32, 8, 2)]
+    base = default_prefill(head_dim, dtype, size, q_dtype)
+    if torch.float32 in (dtype, q_dtype):
+        grid = [PrefillConfig(16, 16, 4, 2), PrefillConfig(16, 16, 4, 3)]
+        if _pow2(max(16, head_dim)) <= 64:
+            grid += [PrefillConfig(32, 16, 4, 2), PrefillConfig(32, 16, 4, 3)]
     elif _pow2(max(16, head_dim)) > 128:
         grid = [PrefillConfig(64, 32, 8, 2), PrefillConfig(64, 32, 8, 3), PrefillConfig(64, 64, 8, 2),
                 PrefillConfig(128, 32, 8, 2), PrefillConfig(64, 32, 4, 2)]
@@ -174,17 +186,17 @@ def _lookup(cls, device: torch.device, name: str, default):
 
 @functools.lru_cache(maxsize=4096)
 def decode_config(head_dim: int, group: int, block_size: int, dtype: torch.dtype, batch_class: str,
-                  device: torch.device) -> DecodeConfig:
-    name = shape_class("decode", head_dim, group, block_size, dtype, batch_class)
-    return _lookup(DecodeConfig, device, name, default_decode(head_dim, dtype))
+                  device: torch.device, q_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """dtype: the KV pool's; q_dtype: the queries' when the pool is quantized (its dots run in q's dtype)."""
+    name = shape_class("decode", head_dim, group, block_size, dtype, _with_q(batch_class, q_dtype))
+    return _lookup(DecodeConfig, device, name, default_decode(head_dim, dtype, q_dtype))
 
 
 @functools.lru_cache(maxsize=4096)
 def prefill_config(head_dim: int, group: int, block_size: int, dtype: torch.dtype, size_class: str,
                    device: torch.device, q_dtype: torch.dtype | None = None) -> PrefillConfig:
     """dtype: the KV pool's; q_dtype: the queries' when the pool is quantized (its dots run in q's dtype)."""
-    size = size_class if q_dtype is None else f"{size_class}|q-{_dtype_name(q_dtype)}"
-    name = shape_class("prefill", head_dim, group, block_size, dtype, size)
+    name = shape_class("prefill", head_dim, group, block_size, dtype, _with_q(size_class, q_dtype))
     return _lookup(PrefillConfig, device, name, default_prefill(head_dim, dtype, size_class, q_dtype))
 
 

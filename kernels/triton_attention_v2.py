@@ -69,7 +69,7 @@ def _tile_slots(table_row, tok0, kv_lo, kv_hi, BLOCK_SIZE: tl.constexpr, TILE: t
     Pages wholly outside [kv_lo, kv_hi) are not looked up (a window's released pages may hold any id)."""
     if PAGED_TILES:
         if BLOCK_SIZE >= TILE:  # part of one page: one table read, contiguous slots
-            block = tl.load(table_row + tok0 // BLOCK_SIZE).to(tl.int64) + tl.zeros([TILE], tl.int64)
+            block = tl.load(table_row + tok0 // BLOCK_SIZE).to(tl.int64) + tl.full([TILE], 0, tl.int64)
             slot = (tok0 % BLOCK_SIZE + tl.arange(0, TILE)).to(tl.int64)
         else:  # whole pages: one table read per page, broadcast over its slots
             page = tok0 // BLOCK_SIZE + tl.arange(0, TILE // BLOCK_SIZE)
@@ -268,13 +268,14 @@ def _decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr, lens_ptr,
     window, batch, target_programs, max_splits,
     stride_pw, stride_lw, stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     TILE: tl.constexpr, MIN_TILES: tl.constexpr, PLAN_BATCH: tl.constexpr, HEAD_PROGRAMS: tl.constexpr,
     WINDOWED: tl.constexpr,
 ):
-    """One program per (sequence, KV head): its query heads' partials, weighted by their log-sum-exp."""
+    """One program per (sequence, query head): its partials, weighted by their log-sum-exp (one program per
+    head keeps a long sequence's merge short: batch 1 at 32k has 64 splits)."""
     seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    head = tl.program_id(1)
     _, _, splits, ends = _split_plan(lens_ptr, batch, window, target_programs, max_splits,
                                      PLAN_BATCH, TILE, MIN_TILES, HEAD_PROGRAMS, WINDOWED)
     lanes = tl.arange(0, PLAN_BATCH)
@@ -285,29 +286,26 @@ def _decode_merge_kernel(
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        top = tl.full([BLOCK_S], float("-inf"), tl.float32)
-        for c in range(0, n_splits, BLOCK_S):
-            w = (w0 + c + s).to(tl.int64)
-            lse = tl.load(lse_ptr + w * stride_lw + head, mask=c + s < n_splits, other=float("-inf"))
-            top = tl.maximum(top, lse)
-        top_all = tl.reduce(top, 0, _max_combine)
-        top_all = tl.where(top_all == float("-inf"), 0.0, top_all)  # every split empty: weights 0, output 0
-        total = tl.full([BLOCK_S], 0.0, tl.float32)
-        acc = tl.full([BLOCK_D], 0.0, tl.float32)
-        for c in range(0, n_splits, BLOCK_S):
-            w = (w0 + c + s).to(tl.int64)
-            s_ok = c + s < n_splits
-            weight = tl.exp2(tl.load(lse_ptr + w * stride_lw + head, mask=s_ok, other=float("-inf")) - top_all)
-            part = tl.load(part_ptr + w[:, None] * stride_pw + head * BLOCK_D + d[None, :],
-                           mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-            total += weight
-            acc += tl.reduce(part * weight[:, None], 0, _sum_combine)
-        total_all = tl.reduce(total, 0, _sum_combine)
-        out = tl.math.div_rn(acc, tl.where(total_all > 0, total_all, 1.0))
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-                 mask=d_ok)
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for c in range(0, n_splits, BLOCK_S):
+        w = (w0 + c + s).to(tl.int64)
+        top = tl.maximum(top, tl.load(lse_ptr + w * stride_lw + head, mask=c + s < n_splits, other=float("-inf")))
+    top_all = tl.reduce(top, 0, _max_combine)
+    top_all = tl.where(top_all == float("-inf"), 0.0, top_all)  # every split empty: weights 0, output 0
+    total = tl.full([BLOCK_S], 0.0, tl.float32)
+    acc = tl.full([BLOCK_D], 0.0, tl.float32)
+    for c in range(0, n_splits, BLOCK_S):
+        w = (w0 + c + s).to(tl.int64)
+        s_ok = c + s < n_splits
+        weight = tl.exp2(tl.load(lse_ptr + w * stride_lw + head, mask=s_ok, other=float("-inf")) - top_all)
+        part = tl.load(part_ptr + w[:, None] * stride_pw + head * BLOCK_D + d[None, :],
+                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        total += weight
+        acc += tl.reduce(part * weight[:, None], 0, _sum_combine)
+    total_all = tl.reduce(total, 0, _sum_combine)
+    out = tl.math.div_rn(acc, tl.where(total_all > 0, total_all, 1.0))
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d_ok)
 
 
 def split_counts(lens: list[int], head_programs: int, tile: int, min_tiles: int, target_programs: int,
@@ -396,7 +394,7 @@ def decode_launches(q, k_cache, v_cache, block_tables, seq_lens, scale, out, *, 
     consts = _cache_constants(k_cache, head_dim, q.dtype, k_scale, v_scale)
     if config is None:
         config = decode_config(head_dim, group, k_cache.shape[1], k_cache.dtype, decode_size_class(batch),
-                               q.device)
+                               q.device, q.dtype if consts["QUANT"] else None)
     block_h, head_blocks = _head_blocking(group)
     head_programs = num_kv_heads * head_blocks
     target = (num_sms or sm_count(q.device)) * config.programs_per_sm
@@ -425,11 +423,11 @@ def decode_launches(q, k_cache, v_cache, block_tables, seq_lens, scale, out, *, 
         config.num_warps, config.num_stages)]
     if plan_batch:
         launches.append(Launch(
-            _decode_merge_kernel, (batch, num_kv_heads),
+            _decode_merge_kernel, (batch, num_q_heads),
             (part, lse, out, seq_lens, window, batch, target, _MAX_SPLITS,
              stride_pw, stride_lw, out.stride(0), out.stride(1)),
-            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=_MERGE_SPLITS, **plan),
-            num_warps=8, num_stages=1))  # 4 warps spill a few bytes on sm_90 (docs/kernels.md)
+            dict(HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=_MERGE_SPLITS, **plan),
+            num_warps=4, num_stages=1))
     return launches
 
 
@@ -538,17 +536,19 @@ def _prefill_kernel(
     table_row = table_ptr + seq.to(tl.int64) * stride_tb
     k_head, v_head = k_ptr + kv_head * STRIDE_CH, v_ptr + kv_head * STRIDE_CH
     ks_head, vs_head = ks_ptr + kv_head * STRIDE_SH, vs_ptr + kv_head * STRIDE_SH
-    tiles = (BLOCK_SIZE, TILE, PAGED_TILES, STRIDE_CB, STRIDE_CT, STRIDE_SB, STRIDE_ST)
     if WINDOWED:  # the window's lead-in: keys some rows no longer see
         acc, m_i, l_i = _prefill_tiles(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, table_row, t_lo, t_full_lo,
-                                       kv_lo, kv_hi, pos, d, d_ok, scale_log2, softcap, window, *tiles, True,
-                                       WINDOWED, SOFTCAP, QUANT, DOT_FP32, PRECISION)
+                                       kv_lo, kv_hi, pos, d, d_ok, scale_log2, softcap, window, BLOCK_SIZE, TILE,
+                                       PAGED_TILES, STRIDE_CB, STRIDE_CT, STRIDE_SB, STRIDE_ST, True, WINDOWED,
+                                       SOFTCAP, QUANT, DOT_FP32, PRECISION)
     acc, m_i, l_i = _prefill_tiles(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, table_row, t_full_lo, t_full_hi,
-                                   kv_lo, kv_hi, pos, d, d_ok, scale_log2, softcap, window, *tiles, False,
-                                   WINDOWED, SOFTCAP, QUANT, DOT_FP32, PRECISION)
+                                   kv_lo, kv_hi, pos, d, d_ok, scale_log2, softcap, window, BLOCK_SIZE, TILE,
+                                   PAGED_TILES, STRIDE_CB, STRIDE_CT, STRIDE_SB, STRIDE_ST, False, WINDOWED,
+                                   SOFTCAP, QUANT, DOT_FP32, PRECISION)
     acc, m_i, l_i = _prefill_tiles(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, table_row, t_full_hi, t_hi,
-                                   kv_lo, kv_hi, pos, d, d_ok, scale_log2, softcap, window, *tiles, True,
-                                   WINDOWED, SOFTCAP, QUANT, DOT_FP32, PRECISION)
+                                   kv_lo, kv_hi, pos, d, d_ok, scale_log2, softcap, window, BLOCK_SIZE, TILE,
+                                   PAGED_TILES, STRIDE_CB, STRIDE_CT, STRIDE_SB, STRIDE_ST, True, WINDOWED,
+                                   SOFTCAP, QUANT, DOT_FP32, PRECISION)
 
     out = tl.math.div_rn(acc, tl.where(l_i > 0, l_i, 1.0)[:, None])
     out_rows = (q_start + t).to(tl.int64) * stride_ot + q_head * stride_oh

@@ -922,3 +922,31 @@ def test_gpu_quantized_pools(compiled, kv_dtype):
         check_quantized("prefill", lens, new, 16, 8, 4, 128, kv_dtype, q_dtype, seed=2, device="cuda")
     check_quantized("decode", lens, None, 16, 2, 4, 128, kv_dtype, torch.bfloat16, seed=3, device="cuda",
                     sliding_window=100, softcap=30.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Compiled for Hopper (sm_90) on this machine: what the interpreter cannot see (a construct only the compiler
+# rejects, registers spilled). The whole table: python scripts/kernel_resources.py
+# ---------------------------------------------------------------------------------------------------
+
+@needs_triton
+@pytest.mark.parametrize("case", [
+    ("decode", 128, 4, 16, torch.bfloat16, "batch64", None, False),        # the headline, whole pages per tile
+    ("decode", 32, 1, 16, torch.float32, "batch8", None, False),           # the Qwen2 shape (IEEE fp32 dots)
+    ("decode", 64, 2, 24, torch.bfloat16, "batch1", torch.int8, True),     # per-token table, quantized, window
+    ("prefill", 128, 4, 16, torch.bfloat16, "long", None, True),           # every masking phase
+    ("prefill", 128, 4, 128, torch.bfloat16, "extend64", torch.float8_e4m3fn, False),
+    ("prefill", 128, 4, 16, torch.float32, "long", None, False),           # IEEE fp32 dots (FMA units)
+], ids=["decode-headline", "decode-qwen2-fp32", "decode-int8-window-page24", "prefill-window-softcap",
+        "prefill-fp8-page128", "prefill-fp32"])
+def test_v2_compiles_for_sm90_without_spills(case):
+    from pagedchat.bench import kernel_resources as R
+
+    kind, head_dim, group, block, dtype, size, kv_dtype, window_softcap = case
+    c = R.Case(kind, head_dim, group, block, dtype, size, kv_dtype, window_softcap)
+    try:
+        rows = list(R.resource_rows([c]))
+    except R.Unavailable as exc:
+        pytest.skip(str(exc))
+    for row in rows:
+        assert row["resources"].spill_stores == row["resources"].spill_loads == 0, R.markdown_row(row)

@@ -117,6 +117,7 @@ class Case:
     dtype: torch.dtype   # the queries' (and a float pool's) dtype
     size: str            # the size class (decode: batch bucket; prefill: new tokens per sequence)
     kv_dtype: torch.dtype | None = None  # a quantized pool's dtype (int8 / float8_e4m3fn)
+    window_softcap: bool = False         # a sliding window and soft-capping (Gemma 2/3's layers)
 
 
 def table_cases() -> list[Case]:
@@ -135,6 +136,7 @@ def table_cases() -> list[Case]:
         cases.append(Case(kernel, 128, 4, 16, torch.float16, sizes[-1]))
         for kv_dtype in (torch.int8, torch.float8_e4m3fn):
             cases.append(Case(kernel, 128, 4, 16, torch.bfloat16, sizes[-1], kv_dtype))
+        cases.append(Case(kernel, 256, 2, 16, torch.bfloat16, sizes[-1], window_softcap=True))
     return cases
 
 
@@ -148,10 +150,12 @@ def case_launches(case: Case, config=None) -> list:
 
     num_kv_heads = 2
     pool = torch.empty(4, case.block_size, num_kv_heads, case.head_dim, dtype=case.kv_dtype or case.dtype)
-    scales = {}
+    scales = {}  # and the other keyword options of the call
     if case.kv_dtype is not None:
         scale = torch.empty(pool.shape[:3], dtype=torch.float16)
         scales = dict(k_scale=scale, v_scale=scale)
+    if case.window_softcap:
+        scales.update(sliding_window=512, softcap=50.0)
     heads = num_kv_heads * case.group
     if case.kernel == "decode":
         batch = _SIZE_SHAPES[case.size]
@@ -170,7 +174,7 @@ def case_config(case: Case):
     from pagedchat.kernels import triton_attention_configs as C
 
     if case.kernel == "decode":
-        return C.default_decode(case.head_dim, case.kv_dtype or case.dtype)
+        return C.default_decode(case.head_dim, case.kv_dtype or case.dtype, case.dtype if case.kv_dtype else None)
     return C.default_prefill(case.head_dim, case.kv_dtype or case.dtype, case.size,
                              case.dtype if case.kv_dtype else None)
 
@@ -183,8 +187,9 @@ def resource_rows(cases: list[Case], all_candidates: bool = False):
     for case in cases:
         configs = [case_config(case)]
         if all_candidates:
-            configs = (C.decode_candidates(case.head_dim, case.dtype) if case.kernel == "decode"
-                       else C.prefill_candidates(case.head_dim, case.dtype, case.size))
+            pool, q = case.kv_dtype or case.dtype, case.dtype if case.kv_dtype else None
+            configs = (C.decode_candidates(case.head_dim, pool, q) if case.kernel == "decode"
+                       else C.prefill_candidates(case.head_dim, pool, case.size, q))
         for config in configs:
             for launch in case_launches(case, config):
                 yield dict(case=case, config=config, launch=launch, resources=compile_launch(launch))
@@ -211,4 +216,5 @@ def markdown_row(row: dict) -> str:
 
 def _dtype_name(case: Case) -> str:
     name = str(case.dtype).removeprefix("torch.")
-    return name if case.kv_dtype is None else f"{str(case.kv_dtype).removeprefix('torch.')} KV, {name} q"
+    name = name if case.kv_dtype is None else f"{str(case.kv_dtype).removeprefix('torch.')} KV, {name} q"
+    return name + (", window + softcap" if case.window_softcap else "")
