@@ -9,9 +9,8 @@ Dispatch rule of every entry point (backend="auto", the default):
 backend="triton" or backend="torch" forces a path.
 
 Quantized pools (kv_quant.py: int8 / float8 values + float16 scales per slot and KV head) pass `k_scale=` and
-`v_scale=` to every entry point. Their caches' dtypes are not Triton's (the dtype rule above), so until the
-Triton kernels read quantized caches they run the torch twins on every device; a Triton path receives the
-same keywords.
+`v_scale=` to every entry point. The Triton kernels (v2) read and write them on the GPU; elsewhere the torch
+twins do.
 """
 
 from __future__ import annotations
@@ -26,12 +25,15 @@ import torch
 from .fused_reference import add_rms_norm_ref, rope_write_kv_ref, silu_and_mul_ref
 from .int4_reference import int4_dequantize, int4_matmul_ref
 from .moe_reference import fused_moe_ref
-from .windowed_reference import paged_decode_attention_windowed_ref, paged_prefill_attention_windowed_ref
 from .reference import (
     copy_blocks_ref,
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
     write_kv_ref,
+)
+from .windowed_reference import (
+    paged_decode_attention_windowed_ref,
+    paged_prefill_attention_windowed_ref,
 )
 
 # Triton itself is imported on first use only: the import costs a fifth of a second of every CPU start-up,
@@ -102,7 +104,7 @@ def __getattr__(name: str):
 
 
 _BACKENDS = ("auto", "triton", "torch")
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn)
 
 
 def triton_interpret_enabled() -> bool:
@@ -128,24 +130,24 @@ def resolve_backend(backend: str | None, *tensors: torch.Tensor) -> str:
 
 
 def _scales(k_scale, v_scale) -> dict:
-    """The scale keywords of a quantized pool's call (none for a float pool: the Triton kernels' calls as
-    before)."""
+    """The scale keywords of a quantized pool's call (none for a float pool: the calls as before)."""
     assert (k_scale is None) == (v_scale is None), "k_scale and v_scale come together"
     return {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *, out=None, backend=None,
-                           sliding_window=None, softcap=None, k_scale=None, v_scale=None):
+                           sliding_window=None, softcap=None, impl=None, k_scale=None, v_scale=None):
     """q [B, Hq, D] attends to its paged context -> [B, Hq, D] (a zero-length row gives zeros).
 
     `out` (optional, shape and dtype of q) receives the result and is returned: every row is written.
     `sliding_window` W: only the last W keys are seen (and read); `softcap` c: scores -> c * tanh(s / c).
+    `impl` "v1" / "v2": which Triton kernels (default: $PAGEDCHAT_ATTN, else v2; see docs/kernels.md).
     `k_scale`, `v_scale` [num_blocks, block_size, Hkv]: the caches are quantized (kv_quant.py).
     """
     scales = _scales(k_scale, v_scale)
     if resolve_backend(backend, q, k_cache) == "triton":
         decode = _triton_function("paged_decode_attention_triton")
-        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out, impl=impl,
                       sliding_window=sliding_window, softcap=softcap, **scales)
     if sliding_window or softcap:
         return paged_decode_attention_windowed_ref(q, k_cache, v_cache, block_tables, seq_lens, scale,
@@ -154,17 +156,17 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, *, out=None,
-                            backend=None, sliding_window=None, softcap=None, k_scale=None, v_scale=None):
+                            backend=None, sliding_window=None, softcap=None, impl=None, k_scale=None, v_scale=None):
     """Causal attention of each sequence's new tokens (the last ones of its context) -> [total_q, Hq, D].
 
     `out` (optional) receives the result; rows outside every sequence's query range are unspecified.
-    `sliding_window` W: the token at position p sees keys p-W+1..p; `softcap` as for decode; scales as for
+    `sliding_window` W: the token at position p sees keys p-W+1..p; `softcap`, `impl` and the scales as for
     decode.
     """
     scales = _scales(k_scale, v_scale)
     if resolve_backend(backend, q, k_cache) == "triton":
         prefill = _triton_function("paged_prefill_attention_triton")
-        return prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out,
+        return prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, out, impl=impl,
                        sliding_window=sliding_window, softcap=softcap, **scales)
     if sliding_window or softcap:
         return paged_prefill_attention_windowed_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,

@@ -128,10 +128,13 @@ def test_windows_and_softcap_read_values_times_scales_and_nothing_before_the_win
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
 
 
-def test_quantized_caches_take_the_torch_twins_even_under_the_triton_interpreter(monkeypatch):
-    """The dispatch rule: int8 / float8 caches are not Triton dtypes, so `auto` picks the twins on every
-    device until the Triton kernels read quantized caches."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def test_quantized_caches_take_triton_where_it_runs(monkeypatch):
+    """The dispatch rule: int8 / float8 caches go to the (v2) Triton kernels wherever Triton runs (CUDA, or
+    the interpreter) and to the twins elsewhere; test_kernels.py holds the Triton side to the twins."""
     for dtype in QDTYPES:
         caches, scales, *_ = quantized_case([9], dtype)
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         assert K.resolve_backend(None, torch.zeros(1), caches[0]) == "torch"
+        if K.HAS_TRITON:
+            monkeypatch.setenv("TRITON_INTERPRET", "1")
+            assert K.resolve_backend(None, torch.zeros(1), caches[0]) == "triton"

@@ -72,9 +72,12 @@ def test_windowed_twin_equals_dense_oracle_and_never_reads_before_the_window(win
 @pytest.mark.parametrize("window,softcap,dtype", [(5, None, torch.float32), (24, 3.0, torch.float32),
                                                   (None, 2.0, torch.float32), (40, 50.0, torch.float16),
                                                   (17, None, torch.bfloat16)])
-def test_triton_window_and_softcap_match_the_twin_under_the_interpreter(monkeypatch, window, softcap, dtype):
+@pytest.mark.parametrize("impl", ["v1", "v2"])
+def test_triton_window_and_softcap_match_the_twin_under_the_interpreter(monkeypatch, window, softcap, dtype, impl):
     if not K.HAS_TRITON:
         pytest.skip("triton not installed")
+    from kernel_cases import split_options
+
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     lens = [1, 7, 30, 77, 100]
     poison = [max(0, n - window) for n in lens] if window else None
@@ -84,7 +87,7 @@ def test_triton_window_and_softcap_match_the_twin_under_the_interpreter(monkeypa
                                         backend="torch")
     for splits in (1, 3):
         out = K.paged_decode_attention_triton(q.to(dtype), kc.to(dtype), vc.to(dtype), tables, seq_lens, 0.3,
-                                              num_splits=splits, sliding_window=window, softcap=softcap)
+                                              sliding_window=window, softcap=softcap, **split_options(impl, splits))
         torch.testing.assert_close(out.double(), expected, rtol=tol[0], atol=tol[1])
     chunks = [1, 3, 16, 7, 33]
     cu = torch.tensor([0] + torch.tensor(chunks).cumsum(0).tolist(), dtype=torch.int32)
@@ -94,5 +97,5 @@ def test_triton_window_and_softcap_match_the_twin_under_the_interpreter(monkeypa
     expected = K.paged_prefill_attention(qp, kc, vc, tables, cu, seq_lens, 0.3, sliding_window=window,
                                          softcap=softcap, backend="torch")
     out = K.paged_prefill_attention(qp.to(dtype), kc.to(dtype), vc.to(dtype), tables, cu, seq_lens, 0.3,
-                                    sliding_window=window, softcap=softcap, backend="triton")
+                                    sliding_window=window, softcap=softcap, backend="triton", impl=impl)
     torch.testing.assert_close(out.double(), expected, rtol=tol[0], atol=tol[1])

@@ -4,10 +4,20 @@ Every number is a ratio against a peer timed in this process on this device:
 * decode attention, write_kv, copy_blocks: bytes moved / time, as a fraction of a large device-to-device copy
   (`copy_frac`); decode also against torch SDPA over the same K/V laid out contiguously (`vs_sdpa`, > 1 means
   the paged kernel is faster) and, when this torch has it, compiled FlexAttention (`vs_flex`, batch sweep);
-* prefill attention: FLOP/s as a fraction of a large bf16 matmul (`matmul_frac`) and against causal SDPA.
+* prefill attention: FLOP/s as a fraction of a large bf16 matmul (`matmul_frac`) and against causal SDPA
+  (flash) on contiguous K/V for whole prompts.
+
+Both Triton implementations (`--impls v1,v2`) are measured in one run, each row naming its `impl`. Kernel times
+are device times: the call is captured in a CUDA graph and replayed (L2 flushed before each replay), so the
+host path of a call does not count; calls that cannot be captured (v1 prefill reads the lengths on the host)
+are timed eagerly, host path included, and say so (`timed: eager`). The host path is measured apart (`host`
+rows: microseconds of CPU per call of a tiny decode / prefill, back to back).
 
 Sweeps around the headline case (B=64, context 4096, 32 query / 8 KV heads, D=128, bf16, block 16): batch
-1..256, context 128..32k, block size 8..128, GQA ratio 1..32. GPU only.
+1..256, context 128..32k at batch 8, batch 1 at 4k..128k, block size 8..128, GQA ratio 1..32. GPU only.
+`--tune` first times each shape class's candidate configurations of v2 and caches the fastest
+(pagedchat/kernels/triton_attention_configs.py), then measures with them. The `goals` entry of the result
+compares the rows with the targets the kernels are built for (GOALS).
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from pagedchat.errors import UserError
 COPY_BYTES = 2 << 30
 MATMUL_N = 8192
 L2_FLUSH_BYTES = 256 << 20
+DEVICE = "cuda"  # where the cases are built (a CPU smoke test of this module sets "cpu" and the interpreter)
 
 
 @dataclass(frozen=True)
@@ -43,10 +54,23 @@ HEADLINE = Shape()
 DECODE_SWEEPS = {
     "batch": [replace(HEADLINE, batch=b) for b in (1, 4, 16, 64, 256)],
     "context": [replace(HEADLINE, batch=8, context=c) for c in (128, 512, 2048, 8192, 32768)],
+    "long": [replace(HEADLINE, batch=1, context=c) for c in (4096, 32768, 131072)],
     "block_size": [replace(HEADLINE, block_size=s) for s in (8, 16, 32, 64, 128)],
     "gqa": [replace(HEADLINE, kv_heads=h) for h in (32, 8, 4, 1)],
 }
-SWEEP_AXIS = {"batch": "batch", "context": "context", "block_size": "block_size", "gqa": "kv_heads"}
+SWEEP_AXIS = {"batch": "batch", "context": "context", "long": "context", "block_size": "block_size",
+              "gqa": "kv_heads"}
+IMPLS = ("v1", "v2")
+# What the kernels are built for (bf16, same GPU, same run): (kernel, batch, context, new tokens) -> the floor
+# of each figure; the `goals` entry of the result says which rows reach them.
+GOALS = [
+    ("decode", 64, 4096, None, "copy_frac", 0.85), ("decode", 64, 4096, None, "vs_sdpa", 1.0),
+    ("decode", 256, 4096, None, "copy_frac", 0.85), ("decode", 256, 4096, None, "vs_sdpa", 1.0),
+    ("decode", 16, 4096, None, "copy_frac", 0.75), ("decode", 8, 32768, None, "copy_frac", 0.75),
+    ("decode", 1, 32768, None, "copy_frac", 0.60),
+    ("prefill", 1, 4096, 4096, "vs_sdpa", 0.8), ("prefill", 1, 16384, 16384, "vs_sdpa", 0.8),
+    ("prefill", 8, 4096, 256, "matmul_frac", 0.5),
+]
 # (batch, context, new tokens per sequence): whole prompts, a chunk over history, short multi-turn messages
 PREFILL_CASES = [(1, 1024, 1024), (1, 4096, 4096), (4, 4096, 4096), (1, 16384, 16384), (8, 4096, 256),
                  (32, 2048, 64)]
@@ -71,27 +95,65 @@ def _require_gpu():
 
 # -- timing ------------------------------------------------------------------------------------------------
 class Timer:
-    """Median device time of a callable; L2 is flushed before each launch so small cases are not cache hits."""
+    """Median device time of a callable; L2 is flushed before each launch so small cases are not cache hits.
+
+    The callable is captured in a CUDA graph and replayed, so its host path is not timed; one that cannot be
+    captured (a host sync inside) is timed eagerly. `last_mode` says which ("graph" or "eager")."""
 
     def __init__(self, torch, warmup: int, iters: int):
         self.torch, self.warmup, self.iters = torch, warmup, iters
         self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        self.last_mode = "eager"
 
-    def __call__(self, fn) -> float:
+    def __call__(self, fn, graph: bool = True) -> float:
         torch = self.torch
         for _ in range(self.warmup):
             fn()
+        run, self.last_mode = fn, "eager"
+        if graph:
+            replay = self._captured(fn)
+            if replay is not None:
+                run, self.last_mode = replay, "graph"
         times = []
         for _ in range(self.iters):
             self.flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn()
+            run()
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end) * 1e-3)
         times.sort()
         return times[len(times) // 2]
+
+    def _captured(self, fn):
+        torch = self.torch
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(g):
+                fn()
+        except Exception:  # noqa: BLE001 - a host sync (or anything else) inside: time it eagerly
+            torch.cuda.synchronize()
+            return None
+        g.replay()  # the first replay uploads the graph
+        torch.cuda.synchronize()
+        return g.replay
+
+
+def host_time(torch, fn, calls: int = 200) -> float:
+    """CPU seconds per call of `fn` issued back to back (a tiny case, so the GPU keeps up with the host)."""
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls
 
 
 def measure_ceilings(torch, timer: Timer, dtype) -> tuple[float, float]:
@@ -109,14 +171,14 @@ def measure_ceilings(torch, timer: Timer, dtype) -> tuple[float, float]:
 # -- data --------------------------------------------------------------------------------------------------
 def paged_pool(torch, shape: Shape, lens: list[int], dtype, seed: int = 0):
     """Caches holding every sequence's tokens in randomly permuted blocks, and the matching block tables."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     need = [math.ceil(n / shape.block_size) for n in lens]
     num_blocks = sum(need) + 1
     cache_shape = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, device="cuda", dtype=dtype, generator=gen)
-    v_cache = torch.randn(cache_shape, device="cuda", dtype=dtype, generator=gen)
-    perm = torch.randperm(num_blocks, device="cuda", generator=gen).to(torch.int32)
-    tables = torch.zeros(len(lens), max(need), dtype=torch.int32, device="cuda")
+    k_cache = torch.randn(cache_shape, device=DEVICE, dtype=dtype, generator=gen)
+    v_cache = torch.randn(cache_shape, device=DEVICE, dtype=dtype, generator=gen)
+    perm = torch.randperm(num_blocks, device=DEVICE, generator=gen).to(torch.int32)
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32, device=DEVICE)
     used = 0
     for i, n in enumerate(need):
         tables[i, :n] = perm[used:used + n]
@@ -147,22 +209,28 @@ def _flex_decode(torch):
         return None
 
 
-def bench_decode(torch, timer: Timer, shape: Shape, sweep: str, dtype, copy_gbps: float, flex) -> dict:
+def bench_decode(torch, timer: Timer, shape: Shape, sweep: str, dtype, copy_gbps: float, flex,
+                 impls=IMPLS) -> list[dict]:
+    """One row per implementation (the same pool, the same peers)."""
     from pagedchat import kernels
 
     elt = torch.empty((), dtype=dtype).element_size()
-    row = dict(kernel="decode", sweep=sweep, **shape.__dict__, dtype=str(dtype).removeprefix("torch."))
+    base = dict(kernel="decode", sweep=sweep, **shape.__dict__, dtype=str(dtype).removeprefix("torch."))
     if not _fits(torch, 3 * shape.kv_bytes(elt) + L2_FLUSH_BYTES):  # pool + gather + contiguous copy
-        return dict(row, skipped="does not fit in free device memory")
+        return [dict(base, impl=impl, skipped="does not fit in free device memory") for impl in impls]
     lens = [shape.context] * shape.batch
     k_cache, v_cache, tables = paged_pool(torch, shape, lens, dtype)
-    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q = torch.randn(shape.batch, shape.q_heads, shape.head_dim, device="cuda", dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(shape.batch, shape.q_heads, shape.head_dim, device=DEVICE, dtype=dtype)
     out = torch.empty_like(q)
     scale = shape.head_dim ** -0.5
-    ours = timer(lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, out=out))
     nbytes = shape.kv_bytes(elt) + 2 * q.numel() * elt
-    row.update(time_us=ours * 1e6, gbps=nbytes / ours / 1e9, copy_frac=nbytes / ours / 1e9 / copy_gbps)
+    rows = []
+    for impl in impls:
+        ours = timer(lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, out=out,
+                                                            impl=impl))
+        rows.append(dict(base, impl=impl, timed=timer.last_mode, time_us=ours * 1e6, gbps=nbytes / ours / 1e9,
+                         copy_frac=nbytes / ours / 1e9 / copy_gbps))
 
     k = contiguous_kv(torch, k_cache, tables, shape.context)
     v = contiguous_kv(torch, v_cache, tables, shape.context)
@@ -170,36 +238,46 @@ def bench_decode(torch, timer: Timer, shape: Shape, sweep: str, dtype, copy_gbps
     q4 = q.view(shape.batch, shape.q_heads, 1, shape.head_dim)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     sdpa_s = timer(lambda: sdpa(q4, k, v, scale=scale, enable_gqa=True))
-    row.update(sdpa_us=sdpa_s * 1e6, vs_sdpa=sdpa_s / ours)
+    peers = dict(sdpa_us=sdpa_s * 1e6)
     if flex is not None:
         try:
-            flex_s = timer(lambda: flex(q4, k, v, scale=scale, enable_gqa=True))
-            row.update(flex_us=flex_s * 1e6, vs_flex=flex_s / ours)
+            peers["flex_us"] = timer(lambda: flex(q4, k, v, scale=scale, enable_gqa=True), graph=False) * 1e6
         except Exception as exc:  # noqa: BLE001 - optional peer
-            row.update(flex_error=f"{type(exc).__name__}: {exc}"[:200])
-    return row
+            peers["flex_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    for row in rows:
+        row.update(peers, vs_sdpa=peers["sdpa_us"] / row["time_us"])
+        if "flex_us" in peers:
+            row["vs_flex"] = peers["flex_us"] / row["time_us"]
+    return rows
 
 
 # -- prefill -----------------------------------------------------------------------------------------------
-def bench_prefill(torch, timer: Timer, batch: int, context: int, new: int, dtype, matmul_tflops: float) -> dict:
+def bench_prefill(torch, timer: Timer, batch: int, context: int, new: int, dtype, matmul_tflops: float,
+                  impls=IMPLS) -> list[dict]:
     from pagedchat import kernels
 
     shape = replace(HEADLINE, batch=batch, context=context)
     elt = torch.empty((), dtype=dtype).element_size()
-    row = dict(kernel="prefill", sweep="prefill", **shape.__dict__, new_tokens=new,
-               dtype=str(dtype).removeprefix("torch."))
+    base = dict(kernel="prefill", sweep="prefill", **shape.__dict__, new_tokens=new,
+                dtype=str(dtype).removeprefix("torch."))
     if not _fits(torch, 3 * shape.kv_bytes(elt) + L2_FLUSH_BYTES):
-        return dict(row, skipped="does not fit in free device memory")
+        return [dict(base, impl=impl, skipped="does not fit in free device memory") for impl in impls]
     k_cache, v_cache, tables = paged_pool(torch, shape, [context] * batch, dtype)
-    seq_lens = torch.tensor([context] * batch, dtype=torch.int32, device="cuda")
-    cu = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch * new, shape.q_heads, shape.head_dim, device="cuda", dtype=dtype)
+    seq_lens = torch.tensor([context] * batch, dtype=torch.int32, device=DEVICE)
+    cu = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch * new, shape.q_heads, shape.head_dim, device=DEVICE, dtype=dtype)
+    out = torch.empty_like(q)
     scale = shape.head_dim ** -0.5
-    ours = timer(lambda: kernels.paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, scale))
     # Query j of a chunk sees (context - new + j + 1) keys; QK^T and PV are 2 flops per multiply-add each.
     visible = batch * (new * (context - new) + new * (new + 1) / 2)
     flops = 4 * visible * shape.q_heads * shape.head_dim
-    row.update(time_us=ours * 1e6, tflops=flops / ours / 1e12, matmul_frac=flops / ours / 1e12 / matmul_tflops)
+    rows = []
+    for impl in impls:
+        # v1 prefill reads the chunk lengths on the host: it cannot be captured, so it is timed eagerly
+        ours = timer(lambda: kernels.paged_prefill_attention(q, k_cache, v_cache, tables, cu, seq_lens, scale,
+                                                             out=out, impl=impl), graph=impl != "v1")
+        rows.append(dict(base, impl=impl, timed=timer.last_mode, time_us=ours * 1e6, tflops=flops / ours / 1e12,
+                         matmul_frac=flops / ours / 1e12 / matmul_tflops))
     if new == context:  # a whole prompt: causal SDPA on contiguous K/V is the like-for-like peer
         k = contiguous_kv(torch, k_cache, tables, context)
         v = contiguous_kv(torch, v_cache, tables, context)
@@ -207,8 +285,30 @@ def bench_prefill(torch, timer: Timer, batch: int, context: int, new: int, dtype
         qc = q.view(batch, new, shape.q_heads, shape.head_dim).transpose(1, 2)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         sdpa_s = timer(lambda: sdpa(qc, k, v, scale=scale, is_causal=True, enable_gqa=True))
-        row.update(sdpa_us=sdpa_s * 1e6, vs_sdpa=sdpa_s / ours)
-    return row
+        for row in rows:
+            row.update(sdpa_us=sdpa_s * 1e6, vs_sdpa=sdpa_s * 1e6 / row["time_us"])
+    return rows
+
+
+def bench_host(torch, dtype, impls=IMPLS) -> list[dict]:
+    """CPU microseconds per call on tiny cases (the GPU keeps up): what eager decode pays per layer."""
+    from pagedchat import kernels
+
+    shape = replace(HEADLINE, batch=1, context=128)
+    k_cache, v_cache, tables = paged_pool(torch, shape, [shape.context], dtype)
+    seq_lens = torch.tensor([shape.context], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(1, shape.q_heads, shape.head_dim, device=DEVICE, dtype=dtype)
+    qp = torch.randn(16, shape.q_heads, shape.head_dim, device=DEVICE, dtype=dtype)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device=DEVICE)
+    out, outp = torch.empty_like(q), torch.empty_like(qp)
+    rows = []
+    for impl in impls:
+        decode = host_time(torch, lambda: kernels.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.1,
+                                                                         out=out, impl=impl))
+        prefill = host_time(torch, lambda: kernels.paged_prefill_attention(qp, k_cache, v_cache, tables, cu,
+                                                                           seq_lens, 0.1, out=outp, impl=impl))
+        rows.append(dict(kernel="host", impl=impl, decode_us=decode * 1e6, prefill_us=prefill * 1e6))
+    return rows
 
 
 # -- cache movers ------------------------------------------------------------------------------------------
@@ -219,11 +319,11 @@ def bench_write_kv(torch, timer: Timer, tokens: int, dtype, copy_gbps: float) ->
     elt = torch.empty((), dtype=dtype).element_size()
     num_blocks = max(2 * tokens // shape.block_size, 1024)
     cache_shape = (num_blocks, shape.block_size, shape.kv_heads, shape.head_dim)
-    k_cache = torch.zeros(cache_shape, device="cuda", dtype=dtype)
+    k_cache = torch.zeros(cache_shape, device=DEVICE, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    k = torch.randn(tokens, shape.kv_heads, shape.head_dim, device="cuda", dtype=dtype)
+    k = torch.randn(tokens, shape.kv_heads, shape.head_dim, device=DEVICE, dtype=dtype)
     v = torch.randn_like(k)
-    slots = torch.randperm(num_blocks * shape.block_size, device="cuda")[:tokens]
+    slots = torch.randperm(num_blocks * shape.block_size, device=DEVICE)[:tokens]
     t = timer(lambda: kernels.write_kv(k, v, k_cache, v_cache, slots))
     nbytes = 2 * 2 * k.numel() * elt + slots.numel() * 8  # read and write both K and V
     return dict(kernel="write_kv", sweep="tokens", tokens=tokens, dtype=str(dtype).removeprefix("torch."),
@@ -236,9 +336,9 @@ def bench_copy_blocks(torch, timer: Timer, pairs: int, dtype, copy_gbps: float) 
     shape = HEADLINE
     elt = torch.empty((), dtype=dtype).element_size()
     cache_shape = (2 * pairs, shape.block_size, shape.kv_heads, shape.head_dim)
-    k_cache = torch.randn(cache_shape, device="cuda", dtype=dtype)
+    k_cache = torch.randn(cache_shape, device=DEVICE, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    src = torch.arange(pairs, device="cuda")
+    src = torch.arange(pairs, device=DEVICE)
     dst = src + pairs
     t = timer(lambda: kernels.copy_blocks(k_cache, v_cache, src, dst))
     nbytes = 2 * 2 * pairs * k_cache[0].numel() * elt
@@ -246,25 +346,105 @@ def bench_copy_blocks(torch, timer: Timer, pairs: int, dtype, copy_gbps: float) 
                 time_us=t * 1e6, gbps=nbytes / t / 1e9, copy_frac=nbytes / t / 1e9 / copy_gbps)
 
 
+# -- tuning ------------------------------------------------------------------------------------------------
+def tune(torch, timer: Timer, dtype, decode_shapes: list[Shape], prefill_cases: list[tuple]) -> list[dict]:
+    """Time v2's candidate configurations on one representative shape per shape class; cache the fastest."""
+    from pagedchat.kernels import triton_attention_configs as C
+    from pagedchat.kernels.triton_attention_v2 import paged_decode_attention_v2, paged_prefill_attention_v2
+
+    elt = torch.empty((), dtype=dtype).element_size()
+    classes: dict[str, tuple] = {}
+    for shape in decode_shapes:  # the largest shape of each class that fits
+        if not _fits(torch, 2 * shape.kv_bytes(elt) + L2_FLUSH_BYTES):
+            continue
+        name = C.shape_class("decode", shape.head_dim, shape.q_heads // shape.kv_heads, shape.block_size, dtype,
+                             C.decode_size_class(shape.batch))
+        if name not in classes or shape.kv_bytes(1) > classes[name][1].kv_bytes(1):
+            classes[name] = ("decode", shape)
+    for batch, context, new in prefill_cases:
+        shape = replace(HEADLINE, batch=batch, context=context)
+        if _fits(torch, 2 * shape.kv_bytes(elt) + L2_FLUSH_BYTES):
+            name = C.shape_class("prefill", shape.head_dim, shape.q_heads // shape.kv_heads, shape.block_size,
+                                 dtype, C.prefill_size_class(batch * new, batch))
+            classes.setdefault(name, ("prefill", shape, new))
+    rows, winners = [], {}
+    for name, (kind, shape, *rest) in classes.items():
+        k_cache, v_cache, tables = paged_pool(torch, shape, [shape.context] * shape.batch, dtype)
+        lens = torch.full((shape.batch,), shape.context, dtype=torch.int32, device=DEVICE)
+        scale = shape.head_dim ** -0.5
+        if kind == "decode":
+            q = torch.randn(shape.batch, shape.q_heads, shape.head_dim, device=DEVICE, dtype=dtype)
+            candidates = C.decode_candidates(shape.head_dim, dtype)
+            call = lambda cfg: paged_decode_attention_v2(q, k_cache, v_cache, tables, lens, scale, out, config=cfg)  # noqa: E731
+        else:
+            new = rest[0]
+            q = torch.randn(shape.batch * new, shape.q_heads, shape.head_dim, device=DEVICE, dtype=dtype)
+            cu = torch.arange(0, (shape.batch + 1) * new, new, dtype=torch.int32, device=DEVICE)
+            candidates = C.prefill_candidates(shape.head_dim, dtype, C.prefill_size_class(shape.batch * new,
+                                                                                          shape.batch))
+            call = lambda cfg: paged_prefill_attention_v2(q, k_cache, v_cache, tables, cu, lens, scale, out,  # noqa: E731
+                                                          config=cfg)
+        out = torch.empty_like(q)
+        times = {}
+        for cfg in candidates:
+            try:
+                times[cfg] = timer(lambda: call(cfg))
+            except Exception as exc:  # noqa: BLE001 - a candidate this GPU cannot run (shared memory)
+                rows.append(dict(kernel="tune", shape_class=name, config=cfg.__dict__, error=str(exc)[:200]))
+        if times:
+            best = min(times, key=times.get)
+            winners[name] = best
+            default = candidates[0]
+            rows.append(dict(kernel="tune", shape_class=name, config=best.__dict__, time_us=times[best] * 1e6,
+                             default_us=times.get(default, math.nan) * 1e6, candidates=len(times)))
+        torch.cuda.empty_cache()
+    if winners:
+        path = C.save_measured(torch.device(DEVICE), winners)
+        rows.append(dict(kernel="tune", saved=str(path), classes=len(winners)))
+    return rows
+
+
+def goal_rows(rows: list[dict]) -> list[dict]:
+    """Each goal against the rows that measure it, per implementation."""
+    out = []
+    for kernel, batch, context, new, figure, floor in GOALS:
+        for row in rows:
+            if (row.get("kernel") == kernel and row.get("batch") == batch and row.get("context") == context
+                    and row.get("new_tokens") == new and row.get("block_size") == HEADLINE.block_size
+                    and row.get("kv_heads") == HEADLINE.kv_heads and figure in row):
+                out.append(dict(kernel=kernel, batch=batch, context=context, new_tokens=new, impl=row.get("impl"),
+                                figure=figure, goal=floor, measured=row[figure], met=row[figure] >= floor))
+    return list({(g["kernel"], g["batch"], g["context"], g["figure"], g["impl"]): g for g in out}.values())
+
+
 # -- driver ------------------------------------------------------------------------------------------------
 def run_kernel_bench(sweeps=tuple(DECODE_SWEEPS), kernels=("decode", "prefill", "write_kv", "copy_blocks"),
                      dtype: str = "bfloat16", warmup: int = 3, iters: int = 20, flex: bool = True,
-                     show: bool = True, plot_path=None) -> list[dict]:
-    """Run the kernel benchmark; return one dict per measurement (the first two are the device ceilings).
+                     show: bool = True, plot_path=None, impls=IMPLS, tune_first: bool = False) -> dict:
+    """Run the kernel benchmark: {"measurements": one dict per measurement (the first two are the device
+    ceilings), "goals": each goal against its rows}.
 
-    sweeps: subset of DECODE_SWEEPS ("batch", "context", "block_size", "gqa"); kernels: which kernels to time.
-    show prints rich tables; plot_path saves a PNG of the decode sweeps (fraction of copy bandwidth).
+    sweeps: subset of DECODE_SWEEPS; kernels: which kernels to time; impls: the Triton implementations
+    measured side by side ("v1", "v2"); tune_first: time v2's candidate configurations and cache the fastest
+    before measuring. show prints rich tables; plot_path saves a PNG of the decode sweeps.
     """
     torch = _require_gpu()
     unknown = set(sweeps) - set(DECODE_SWEEPS)
     if unknown:
         raise UserError(f"unknown sweep(s) {sorted(unknown)}; choose from {sorted(DECODE_SWEEPS)}")
+    bad = set(impls) - set(IMPLS)
+    if bad:
+        raise UserError(f"unknown implementation(s) {sorted(bad)}; choose from {list(IMPLS)}")
     torch_dtype = getattr(torch, dtype)
     timer = Timer(torch, warmup, iters)
     copy_gbps, matmul_tflops = measure_ceilings(torch, timer, torch_dtype)
     stamp = dict(date=_dt.date.today().isoformat(), machine=machine_description())
     rows = [dict(kernel="device_copy", gbps=copy_gbps, **stamp),
             dict(kernel="matmul", tflops=matmul_tflops, dtype=dtype, **stamp)]
+    decode_shapes = [shape for sweep in sweeps for shape in DECODE_SWEEPS[sweep]]
+    if tune_first:
+        rows += tune(torch, Timer(torch, 2, 5), torch_dtype, decode_shapes if "decode" in kernels else [],
+                     PREFILL_CASES if "prefill" in kernels else [])
     if "decode" in kernels:
         flex_fn = _flex_decode(torch) if flex else None
         for sweep in sweeps:
@@ -272,44 +452,53 @@ def run_kernel_bench(sweeps=tuple(DECODE_SWEEPS), kernels=("decode", "prefill", 
                 # Flex compiles once per shape and dynamo stops recompiling after a few shapes (then runs
                 # eagerly, a misleading peer): time it on the batch sweep only, which holds the headline.
                 peer = flex_fn if sweep == "batch" else None
-                rows.append(bench_decode(torch, timer, shape, sweep, torch_dtype, copy_gbps, peer))
+                rows += bench_decode(torch, timer, shape, sweep, torch_dtype, copy_gbps, peer, impls)
                 torch.cuda.empty_cache()
     if "prefill" in kernels:
         for batch, context, new in PREFILL_CASES:
-            rows.append(bench_prefill(torch, timer, batch, context, new, torch_dtype, matmul_tflops))
+            rows += bench_prefill(torch, timer, batch, context, new, torch_dtype, matmul_tflops, impls)
             torch.cuda.empty_cache()
+    if "decode" in kernels or "prefill" in kernels:
+        rows += bench_host(torch, torch_dtype, impls)
     if "write_kv" in kernels:
         rows += [bench_write_kv(torch, timer, n, torch_dtype, copy_gbps) for n in WRITE_KV_TOKENS]
     if "copy_blocks" in kernels:
         rows += [bench_copy_blocks(torch, timer, n, torch_dtype, copy_gbps) for n in COPY_BLOCK_PAIRS]
+    goals = goal_rows(rows)
     if show:
-        print_rows(rows)
+        print_rows(rows, goals)
     if plot_path is not None:
         plot_rows(rows, plot_path)
-    return rows
+    return {"measurements": rows, "goals": goals}
 
 
-def print_rows(rows: list[dict]) -> None:
+def print_rows(rows: list[dict], goals: list[dict] = ()) -> None:
     copy_row, mm_row = rows[0], rows[1]
     caption = (f"{copy_row['machine']}, {copy_row['date']}: device copy {copy_row['gbps']:,.0f} GB/s, "
                f"{mm_row['dtype']} matmul {mm_row['tflops']:,.0f} TFLOP/s")
 
-    def table(title, kernels_, keys, headers):
-        picked = [r for r in rows if r["kernel"] in kernels_]
+    def table(title, kernels_, keys, headers, picked=None):
+        picked = picked if picked is not None else [r for r in rows if r["kernel"] in kernels_]
         if picked:
             cells = [[r.get(k, r.get("skipped") if k == "time_us" else None) for k in keys] for r in picked]
             print_table(title, headers, cells, caption)
 
     table("decode attention (paged) vs copy bandwidth, SDPA / FlexAttention on contiguous K/V", ("decode",),
-          ["sweep", "batch", "context", "block_size", "q_heads", "kv_heads", "time_us", "gbps", "copy_frac",
+          ["sweep", "impl", "batch", "context", "block_size", "q_heads", "kv_heads", "time_us", "gbps", "copy_frac",
            "vs_sdpa", "vs_flex"],
-          ["sweep", "B", "ctx", "blk", "Hq", "Hkv", "us", "GB/s", "x copy", "vs SDPA", "vs Flex"])
+          ["sweep", "impl", "B", "ctx", "blk", "Hq", "Hkv", "us", "GB/s", "x copy", "vs SDPA", "vs Flex"])
     table("prefill attention (paged, causal) vs matmul rate and causal SDPA", ("prefill",),
-          ["batch", "context", "new_tokens", "time_us", "tflops", "matmul_frac", "vs_sdpa"],
-          ["B", "ctx", "new", "us", "TFLOP/s", "x matmul", "vs SDPA"])
+          ["impl", "batch", "context", "new_tokens", "time_us", "timed", "tflops", "matmul_frac", "vs_sdpa"],
+          ["impl", "B", "ctx", "new", "us", "timed", "TFLOP/s", "x matmul", "vs SDPA"])
+    table("host path per call (CPU, tiny case)", ("host",), ["impl", "decode_us", "prefill_us"],
+          ["impl", "decode us", "prefill us"])
     table("cache writes and copy-on-write vs copy bandwidth", ("write_kv", "copy_blocks"),
           ["kernel", "tokens", "pairs", "time_us", "gbps", "copy_frac"],
           ["kernel", "tokens", "pairs", "us", "GB/s", "x copy"])
+    table("tuned configurations (v2)", ("tune",), ["shape_class", "config", "time_us", "default_us", "saved"],
+          ["shape class", "fastest", "us", "default us", "cache"])
+    table("goals", (), ["kernel", "batch", "context", "new_tokens", "impl", "figure", "goal", "measured", "met"],
+          ["kernel", "B", "ctx", "new", "impl", "figure", "goal", "measured", "met"], picked=list(goals))
 
 
 def plot_rows(rows: list[dict], path) -> None:
@@ -325,8 +514,12 @@ def plot_rows(rows: list[dict], path) -> None:
     for ax, sweep in zip(axes[0], sweeps):
         data = [r for r in rows if r.get("sweep") == sweep and "time_us" in r]
         axis = SWEEP_AXIS[sweep]
+        for impl in dict.fromkeys(r.get("impl") for r in data):
+            mine = [r for r in data if r.get("impl") == impl]
+            ax.plot([r[axis] for r in mine], [r["copy_frac"] for r in mine], "o-",
+                    label=f"paged decode (Triton {impl})")
+        data = [r for r in data if r.get("impl") == data[0].get("impl")]  # the peers once
         xs = [r[axis] for r in data]
-        ax.plot(xs, [r["copy_frac"] for r in data], "o-", label="paged decode (Triton)")
         # SDPA reads the same bytes from contiguous K/V: its fraction of copy bandwidth on the same scale
         ax.plot(xs, [r["copy_frac"] / r["vs_sdpa"] if r.get("vs_sdpa") else math.nan
                      for r in data], "s--", label="SDPA, contiguous")

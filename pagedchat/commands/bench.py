@@ -612,6 +612,10 @@ def kernels(
                                                                 "write_kv, copy_blocks); default all."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32."),
     iters: Optional[int] = typer.Option(None, "--iters", help="Timed iterations per point."),
+    impls: Optional[str] = typer.Option(None, "--impls", help="Comma-separated Triton implementations measured "
+                                                              "side by side (v1, v2); default both."),
+    tune: bool = typer.Option(False, "--tune", help="First time v2's candidate configurations per shape class "
+                                                    "and cache the fastest for this GPU."),
     as_json: bool = JSON,
     plot: Optional[str] = PLOT,
 ) -> None:
@@ -629,7 +633,8 @@ def kernels(
         raise UserError(f"the kernel benchmark is not available in this build ({e})") from None
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
     offered = {"show": not as_json, "plot_path": _plot_path(plot), "dtype": dtype, "iters": iters,
-               "sweeps": split(sweeps) if sweeps else None, "kernels": split(which) if which else None}
+               "sweeps": split(sweeps) if sweeps else None, "kernels": split(which) if which else None,
+               "impls": split(impls) if impls else None, "tune_first": tune or None}
     accepted = inspect.signature(run_kernel_bench).parameters
     try:
         result = run_kernel_bench(**{k: v for k, v in offered.items() if k in accepted and v is not None})

@@ -101,9 +101,9 @@ class ModelRunner:
                 self._bind_native()
 
     def _graphs_wanted(self, config: EngineConfig) -> bool:
-        """CUDA graphs of the decode step: on CUDA unless turned off; a quantized pool decodes through the torch
-        twins until the Triton kernels read it (their host syncs cannot be captured)."""
-        return self.device.type == "cuda" and config.cuda_graphs and config.kv_dtype == "auto"
+        """CUDA graphs of the decode step: on CUDA unless turned off (a quantized pool too: the v2 Triton kernels
+        read it without host syncs; a step that cannot be captured decodes eagerly)."""
+        return self.device.type == "cuda" and config.cuda_graphs
 
     def _window_groups(self) -> int:
         return self.kv_groups.num_window_groups if self.kv_groups else 0
@@ -431,10 +431,10 @@ class DecodeGraphs:
         rows, _ = cls.rows_for(config)
         spec, dev = runner.loaded.spec, runner.device
         max_blocks = -(-runner.loaded.max_model_len // runner.block_size)
-        scratch = torch.zeros((1, runner.block_size, spec.num_kv_heads, spec.head_dim), dtype=runner.loaded.dtype,
-                              device=dev)
+        scratch = KVCaches.allocate(1, 1, runner.block_size, spec.num_kv_heads, spec.head_dim,
+                                    kv_cache_dtype(config.kv_dtype, runner.loaded.dtype), dev)
         for layer in runner.model.attention_layers():
-            layer.k_cache = layer.v_cache = scratch
+            _bind(layer, scratch, 0)
         meta = AttentionMetadata(torch.full((rows,), -1, dtype=torch.long, device=dev),
                                  torch.zeros((rows, max_blocks), dtype=torch.int32, device=dev),
                                  torch.ones(rows, dtype=torch.int32, device=dev),
