@@ -213,6 +213,22 @@ def accuracy(r: dict) -> str:
                       f"{x['max_logit_error']:.4f}", pct(x["max_logit_error_rel_spread"])] for x in r["rows"]]))
 
 
+def cpu_sweep(r: dict) -> str:
+    t, names = r["decode_tok_per_s"], list(r["decode_tok_per_s"])
+    peers = [n for n in names if not n.startswith("pagedchat")]
+    rows = []
+    for b in map(str, r["batches"]):
+        ours, native, torch_path = t["pagedchat"][b], t["pagedchat native"][b], t["pagedchat torch"][b]
+        rows.append([b, *(num(t[n][b]) for n in names), times(native / torch_path),
+                     *(times(ours / t[n][b]) for n in peers)])
+    quantize = f", `--quantize {r['quantize']}`" if r.get("quantize") else ""
+    return (f"Decode tokens/s (decode only: {r['new_tokens']} new tokens after prompts of {r['prompt_tokens'][0]}-"
+            f"{r['prompt_tokens'][1]} tokens){quantize}; {r['threads']} thread per system, median of {r['repeats']} "
+            "alternating runs. `pagedchat` is what a user gets: per step size, whichever of the native step and "
+            "the torch path measured faster on this machine.\n\n"
+            + table(["batch", *names, "native / torch", *(f"pagedchat / {n}" for n in peers)], rows))
+
+
 def figures(r: dict) -> str:
     """Any result as its numbers (the GPU check's file: one JSON of every figure)."""
     flat = {}
@@ -230,7 +246,8 @@ def figures(r: dict) -> str:
 
 RENDERERS = {"memory": memory, "block-size": block_size, "shared-prefix": shared_prefix, "window": window,
              "beams": beams, "batch1": batch1, "throughput": throughput, "chat-turns": chat_turns,
-             "chat-forks": chat_forks, "serve": serve, "spec": spec, "accuracy": accuracy, "figures": figures}
+             "chat-forks": chat_forks, "serve": serve, "spec": spec, "accuracy": accuracy, "cpu-sweep": cpu_sweep,
+             "figures": figures}
 
 
 # -- the page ------------------------------------------------------------------------------------------------------

@@ -75,12 +75,40 @@ def _check(hf, batch, outs) -> list[str]:
     return problems
 
 
+def _long_engine(path, **config) -> Engine:
+    return Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_blocks=1024,
+                               max_num_batched_tokens=64, max_num_seqs=8, **config), show_progress=False)
+
+
+# What a divergence is rerun without, one component at a time, so one GPU run names the part at fault.
+SUSPECTS = {"CUDA graphs off": (dict(cuda_graphs=False), {}, None),
+            "fused layer kernels off": (dict(fused_kernels=False), {}, None),
+            "attention v1 kernels": ({}, {"PAGEDCHAT_ATTN": "v1"}, None),
+            "attention on the torch twins": (dict(cuda_graphs=False), {}, "torch")}
+
+
+def _bisect(path, hf, batch, greedy, monkeypatch) -> list[str]:
+    """The same batch once per suspect turned off: which configurations are exact."""
+    lines = []
+    for name, (config, env, attention) in SUSPECTS.items():
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            engine = _long_engine(path, **config)
+            if attention:
+                for layer in engine.runner.attention_layers:
+                    layer.backend = attention
+            problems = _check(hf, batch, engine.generate(batch, greedy))
+            engine.close()
+        lines.append(f"  {name}: " + (f"{len(problems)} divergent, first {problems[0]}" if problems else "exact"))
+    return lines
+
+
 @pytest.mark.parametrize("arch", LONG_FAMILIES)
-def test_long_prompts_chunked_cached_and_forked_match_transformers_on_the_gpu(long_models, arch):
+def test_long_prompts_chunked_cached_and_forked_match_transformers_on_the_gpu(long_models, arch, monkeypatch):
     torch.backends.cuda.matmul.allow_tf32 = False
     path, hf = long_models(arch)
-    engine = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_blocks=1024,
-                                 max_num_batched_tokens=64, max_num_seqs=8), show_progress=False)
+    engine = _long_engine(path)
     assert engine.runner.graphs is not None
     batch, greedy = _long_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     problems = [f"batch: {p}" for p in _check(hf, batch, engine.generate(batch, greedy))]
@@ -90,6 +118,9 @@ def test_long_prompts_chunked_cached_and_forked_match_transformers_on_the_gpu(lo
     forks = engine.generate(batch[:1], greedy.with_(n=4))
     problems += [f"n=4: {p}" for p in _check(hf, batch[:1], forks)]
     engine.check_invariants()
+    engine.close()
+    if problems:
+        problems += ["the batch again with one component off:", *_bisect(path, hf, batch, greedy, monkeypatch)]
     assert not problems, f"{arch}:\n" + "\n".join(problems)
 
 

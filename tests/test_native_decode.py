@@ -175,9 +175,10 @@ def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, int8: bool = 
     """Logits (or any per-token rows: the K/V a step wrote) equal up to summation order. With int8 layers, the
     two sides quantize activations computed in another summation order: a value within float rounding of a
     half step rounds one way here and the other there (about 1 in 10^4 values), which moves that row's logits
-    by up to a few tenths on these tiny models (their weights are large). So a step may hold one such token,
-    and with it the later tokens of its sequence in a verify step, which attend to its K/V (tokens: each
-    sequence's tokens in the step, row order; None: one row each); the kernels themselves are held to 1e-5
+    by up to a few tenths on these tiny models (their weights are large). So a step may hold a few such tokens,
+    with the later tokens of their sequences in a verify step, which attend to their K/V (tokens: each
+    sequence's tokens in the step, row order; None: one row each): at most one sequence in four, none off by
+    half a logit or more. A wrong kernel moves every row, by more; the kernels themselves are held to 1e-5
     on the same input (test_each_weight_format_computes_torchs_product)."""
     if not int8:
         torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
@@ -186,7 +187,9 @@ def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, int8: bool = 
     off = ~torch.isclose(got, expected, rtol=tol, atol=tol).all(dim=-1)
     seq = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(tokens)) if tokens else \
         torch.arange(got.shape[0])
-    assert seq[off].unique().numel() <= 1 and (got - expected).abs().max() < 0.5, (off, (got - expected).abs().max())
+    allowed = max(1, (int(seq.max()) + 1) // 4)
+    assert seq[off].unique().numel() <= allowed and (got - expected).abs().max() < 0.5, \
+        (off, (got - expected).abs().max())
 
 
 def native_int8_arithmetic(model) -> None:

@@ -59,9 +59,10 @@ def _batch_prompts(spec: dict) -> list[list[int]]:
     return make_prompts(BATCH_SEQS, 128, cap, spec["vocab_size"], spec["seed"] + 1)
 
 
-def _decode16_pagedchat(engine, spec: dict, params) -> float:
-    """Decode-only tok/s of BATCH_SEQS sequences: the clock starts once every prompt has its first token."""
-    ids = [engine.add_request(p, params.with_(max_tokens=spec["batch_new_tokens"])) for p in _batch_prompts(spec)]
+def decode_rate_pagedchat(engine, prompts: list[list[int]], params) -> float:
+    """Decode-only tok/s of `prompts` decoding together: the clock starts once every prompt has its first
+    token."""
+    ids = [engine.add_request(p, params) for p in prompts]
     started: set[str] = set()
     while len(started) < len(ids):
         started.update(e.request_id for e in engine.step() if e.token_ids)
@@ -96,7 +97,8 @@ def worker_pagedchat(spec: dict) -> dict:
         engine.generate([prompt], params.with_(max_tokens=1))
         prefill_s.append(time.perf_counter() - start)
     return {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "prefill_s": statistics.median(prefill_s),
-            "decode16_tok_per_s": _decode16_pagedchat(engine, spec, params)}
+            "decode16_tok_per_s": decode_rate_pagedchat(engine, _batch_prompts(spec),
+                                                        params.with_(max_tokens=spec["batch_new_tokens"]))}
 
 
 def _hf_timed_generate(model, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[float]]:
@@ -180,22 +182,23 @@ def worker_llama_cpp(spec: dict) -> dict:
         prefill_s.append(time.perf_counter() - start)
     del llm
     return {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "prefill_s": statistics.median(prefill_s),
-            "decode16_tok_per_s": _decode16_llama_cpp(spec)}
+            "decode16_tok_per_s": decode_rate_llama_cpp(spec["gguf"], _batch_prompts(spec), spec["batch_new_tokens"],
+                                                        spec["threads"])}
 
 
-def _decode16_llama_cpp(spec: dict) -> float:
+def decode_rate_llama_cpp(gguf: str, prompts: list[list[int]], n: int, threads: int) -> float:
     """llama.cpp's own multi-sequence batching (as llama-server's slots use it) through the C API: every
-    prompt prefilled as its own sequence, then one llama_decode of BATCH_SEQS tokens per step. Which token
-    each step feeds is moot for time, so it feeds the last one (no sampling: that flatters llama.cpp)."""
+    prompt prefilled as its own sequence, then one llama_decode of one token per sequence per step: decode-only
+    tok/s. Which token each step feeds is moot for time, so it feeds the last one (no sampling: that flatters
+    llama.cpp)."""
     import llama_cpp as L
 
-    prompts, n = _batch_prompts(spec), spec["batch_new_tokens"]
-    model = L.llama_model_load_from_file(spec["gguf"].encode(), L.llama_model_default_params())
+    model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
     params = L.llama_context_default_params()
     params.n_ctx = sum(len(p) for p in prompts) + len(prompts) * n + 256
-    params.n_batch = params.n_ubatch = spec["prefill_tokens"]
+    params.n_batch = params.n_ubatch = max(512, len(prompts), max(len(p) for p in prompts))
     params.n_seq_max, params.kv_unified = len(prompts), True
-    params.n_threads = params.n_threads_batch = spec["threads"]
+    params.n_threads = params.n_threads_batch = threads
     ctx = L.llama_init_from_model(model, params)
     batch = L.llama_batch_init(params.n_batch, 0, len(prompts))
 

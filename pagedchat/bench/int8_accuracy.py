@@ -33,7 +33,7 @@ def _forward(runner, ids: list[int], start: int, blocks: int) -> torch.Tensor:
                              seq_lens=torch.tensor([end], dtype=torch.int32),
                              cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), is_decode=n == 1, max_seq_len=end)
     if n == 1 and runner.native is not None:
-        return runner.native.step(torch.tensor(ids), torch.arange(start, end), meta.block_tables, meta.seq_lens)
+        return runner.native.step(torch.tensor(ids), torch.arange(start, end), meta.block_tables, meta.cu_seqlens_q)
     model = runner.model
     return model.compute_logits(model(torch.tensor(ids), torch.arange(start, end), meta))
 

@@ -207,6 +207,41 @@ def batch1_command(
     _finish(result, as_json, print_batch1_gpu_report if on_gpu else print_batch1_report)
 
 
+@bench.command("cpu-sweep", help="CPU decode speed at batch sizes 1 to 64: the native step, the torch path, what "
+                                  "pagedchat picks between them, transformers and llama.cpp, one run.")
+def cpu_sweep(
+    model: Optional[str] = MODEL,
+    random_arch: Optional[str] = RANDOM,
+    random_size: str = typer.Option("small", "--random-size", help="tiny, small or 1b."),
+    batches: str = typer.Option("1,2,4,8,16,32,64", "--batches", help="Comma-separated batch sizes."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="int8 or int4 for pagedchat (llama.cpp: Q8_0 or "
+                                                                   "Q4_0 of the same weights)."),
+    repeats: int = typer.Option(3, "--repeats", help="Runs per system, taking turns; the median counts."),
+    peer: Optional[str] = typer.Option(None, "--peer", help="llama.cpp adds its row (needs llama-cpp-python, gguf)."),
+    threads: Optional[int] = THREADS,
+    seed: int = SEED,
+    as_json: bool = JSON,
+) -> None:
+    import tempfile
+
+    from pagedchat.bench.cpu_sweep import print_cpu_sweep_report, run_cpu_sweep
+    from pagedchat.bench.models import resolve_model
+
+    if quantize not in (None, "int8", "int4"):
+        raise UserError(f"--quantize must be int8 or int4, got {quantize!r}")
+    if peer not in (None, "llama.cpp"):
+        raise UserError(f"--peer must be llama.cpp, got {peer!r}")
+    if repeats < 1:
+        raise UserError("--repeats must be >= 1")
+    sizes = list(_lengths(batches, "--batches"))
+    with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
+        path, name = resolve_model(model, random_arch, random_size, Path(tmp), 1024)
+        result = run_cpu_sweep(path, _threads(threads, "cpu") or 1, sizes, repeats=repeats, quantize=quantize,
+                               peer=peer, seed=seed)
+    result["model"] = name
+    _finish(result, as_json, print_cpu_sweep_report)
+
+
 @bench.command("chat", help="Multi-turn TTFT as the history grows (pinned history vs transformers re-prefill) "
                             "and the cost of forking a conversation into N variants.")
 def chat(

@@ -120,8 +120,9 @@ class ModelRunner:
         for layer in self.attention_layers:
             if id(layer.k_cache) in ours:
                 layer.k_cache = layer.v_cache = torch.empty(0)
+                layer.k_scale = layer.v_scale = None
         self.k_caches, self.v_caches, self.block_sharers, self.attention_layers = [], [], [], []
-        self.graphs = self.native = self._native_next_try = self.model = self.loaded = None
+        self.graphs = self.native = self._native_next_try = self.model = self.loaded = self.kv = None
 
     def _num_blocks(self, config: EngineConfig, extra_bytes_per_block: int = 0) -> int:
         if config.num_blocks is not None:

@@ -1,0 +1,185 @@
+"""`pagedchat bench cpu-sweep`: decode speed on CPU at batch sizes 1 to 64, every path in one run.
+
+Systems, each in its own process with the same thread count, taking turns (median of the runs):
+
+  - pagedchat            what a user gets: per kind and size of step the path measured faster on this
+                         machine (pagedchat/native/paths.py); each batch size is warmed until it has decided
+  - pagedchat native     the native step at every batch size (PAGEDCHAT_NATIVE=always)
+  - pagedchat torch      the torch path (PAGEDCHAT_NATIVE=0)
+  - transformers         `generate` on one left-padded batch
+  - llama.cpp F32        (--peer llama.cpp) its own multi-sequence batching through the C API, on the same weights
+                         as GGUF (Q8_0 instead with --quantize int8, Q4_0 with int4)
+
+Each row is decode only: the clock starts once every prompt of the batch has its first token. Prompts are 16-64
+tokens (a short chat turn), so prefilling 64 of them does not dominate the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pagedchat.errors import UserError
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+NEW_TOKENS = 32
+PROMPT_TOKENS = (16, 64)
+WARM_STEPS = 12  # per batch size before its timed run: the path choice's trials (4 steps a path) are over
+GGUF_TYPE = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}
+PAGEDCHAT_PATHS = {"pagedchat": None, "pagedchat native": "always", "pagedchat torch": "0"}
+
+
+def sweep_prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed * 1000 + batch)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*PROMPT_TOKENS))] for _ in range(batch)]
+
+
+# -- the workers (each in its own process) --------------------------------------------------------------------
+def _decode_rate(engine, prompts: list[list[int]], params) -> float:
+    from pagedchat.bench.batch1 import decode_rate_pagedchat
+
+    return decode_rate_pagedchat(engine, prompts, params)
+
+
+def worker_pagedchat(spec: dict) -> dict:
+    from pagedchat.engine import Engine, EngineConfig, SamplingParams
+
+    quantize = {"quantize": spec["quantize"]} if spec.get("quantize") else {}
+    engine = Engine(EngineConfig(model=spec["model"], device="cpu", dtype="float32", max_num_seqs=max(spec["batches"]),
+                                 num_blocks=max(spec["batches"]) * 8 + 64, block_size=16, **quantize),
+                    show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=spec["new_tokens"], ignore_eos=True)
+    rates = {}
+    for batch in spec["batches"]:
+        prompts = sweep_prompts(batch, spec["vocab_size"], spec["seed"])
+        engine.generate(prompts, params.with_(max_tokens=WARM_STEPS))  # warm-up (and the path trials)
+        rates[str(batch)] = _decode_rate(engine, prompts, params)
+    native = engine.runner.native
+    chosen = dict(native.paths.decided) if native is not None else {}
+    return {"decode_tok_per_s": rates, "native_bound": native is not None, "paths": chosen}
+
+
+def worker_transformers(spec: dict) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagedchat.bench.batch1 import _hf_decode_rate, _hf_timed_generate
+
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32).eval()
+    rates = {}
+    for batch in spec["batches"]:
+        prompts = sweep_prompts(batch, spec["vocab_size"], spec["seed"])
+        _hf_timed_generate(model, prompts, 2)  # warm-up
+        rates[str(batch)] = _hf_decode_rate(model, prompts, spec["new_tokens"])
+    return {"decode_tok_per_s": rates}
+
+
+def worker_llama_cpp(spec: dict) -> dict:
+    from pagedchat.bench.batch1 import decode_rate_llama_cpp
+
+    rates = {}
+    for batch in spec["batches"]:
+        prompts = sweep_prompts(batch, spec["vocab_size"], spec["seed"])
+        decode_rate_llama_cpp(spec["gguf"], prompts[:1], 2, spec["threads"])  # warm-up
+        rates[str(batch)] = decode_rate_llama_cpp(spec["gguf"], prompts, spec["new_tokens"], spec["threads"])
+    return {"decode_tok_per_s": rates}
+
+
+WORKERS = {"pagedchat": worker_pagedchat, "transformers": worker_transformers, "llama.cpp": worker_llama_cpp}
+
+
+def worker_main(system: str, spec_path: str, out_path: str) -> None:
+    import torch
+
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    from pagedchat.bench.common import quiet_transformers
+
+    quiet_transformers()
+    Path(out_path).write_text(json.dumps(WORKERS[system](spec)))
+
+
+# -- the parent -----------------------------------------------------------------------------------------------
+def _run(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
+    spec_path = workdir / f"{name.replace(' ', '-')}-{time.monotonic_ns()}.json"
+    spec_path.write_text(json.dumps(spec))
+    out = spec_path.with_suffix(".out")
+    env = dict(os.environ)
+    env.pop("PAGEDCHAT_NATIVE", None)
+    if spec.get("native"):
+        env["PAGEDCHAT_NATIVE"] = spec["native"]
+    cmd = [sys.executable, "-m", "pagedchat.bench.cpu_sweep", name.split()[0], str(spec_path), str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"cpu-sweep: the {name} run did not finish within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise UserError(f"cpu-sweep: the {name} run failed: {tail[0]}")
+    return json.loads(out.read_text())
+
+
+def run_cpu_sweep(model_path: Path, threads: int, batches: list[int], repeats: int = 3, quantize: str | None = None,
+                  peer: str | None = None, seed: int = 0, timeout: float = 1800) -> dict:
+    """Every system at every batch size, the systems taking turns; the median of each counts."""
+    from pagedchat.bench.batch1 import llama_cpp_available, write_gguf
+
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    base = {"model": str(model_path), "threads": threads, "batches": batches, "new_tokens": NEW_TOKENS,
+            "vocab_size": config["vocab_size"], "seed": seed, "quantize": quantize}
+    systems = {name: {**base, "native": native} for name, native in PAGEDCHAT_PATHS.items()}
+    systems["transformers"] = dict(base)
+    notes = []
+    with tempfile.TemporaryDirectory(prefix="pagedchat-cpu-sweep-") as tmp:
+        if peer == "llama.cpp":
+            if llama_cpp_available():
+                kind = GGUF_TYPE[quantize]
+                path = write_gguf(Path(model_path), Path(tmp) / f"model-{kind}.gguf", kind)
+                systems[f"llama.cpp {kind}"] = {**base, "gguf": str(path)}
+            else:
+                notes.append("llama.cpp peer skipped: llama-cpp-python (and gguf) are not installed")
+        runs: dict[str, list[dict]] = {name: [] for name in systems}
+        for _ in range(repeats):
+            for name, spec in systems.items():
+                runs[name].append(_run(name, spec, Path(tmp), timeout))
+    table = {name: {str(b): statistics.median(r["decode_tok_per_s"][str(b)] for r in rs) for b in batches}
+             for name, rs in runs.items()}
+    paths = runs["pagedchat"][-1].get("paths", {})
+    return {"threads": threads, "repeats": repeats, "batches": batches, "new_tokens": NEW_TOKENS,
+            "prompt_tokens": list(PROMPT_TOKENS), "quantize": quantize, "decode_tok_per_s": table,
+            "runs": {name: [r["decode_tok_per_s"] for r in rs] for name, rs in runs.items()},
+            "native_bound": runs["pagedchat"][-1].get("native_bound"), "paths_chosen": paths, "notes": notes}
+
+
+def print_cpu_sweep_report(r: dict) -> None:
+    from pagedchat.bench.common import print_table
+
+    table, names = r["decode_tok_per_s"], list(r["decode_tok_per_s"])
+    peers = [n for n in names if not n.startswith("pagedchat")]
+    rows = []
+    for b in r["batches"]:
+        b = str(b)
+        ours = table["pagedchat"][b]
+        rows.append([int(b), *(table[n][b] for n in names), table["pagedchat native"][b] / table["pagedchat torch"][b],
+                     ours / max(table["pagedchat native"][b], table["pagedchat torch"][b]),
+                     *(ours / table[n][b] for n in peers)])
+    print_table(f"Decode tok/s by batch size ({r['new_tokens']} new tokens after {r['prompt_tokens'][0]}-"
+                f"{r['prompt_tokens'][1]}-token prompts, decode only); {r['threads']} thread(s), median of "
+                f"{r['repeats']} alternating runs" + (f"; --quantize {r['quantize']}" if r["quantize"] else ""),
+                ["batch", *names, "native / torch", "pagedchat / faster path", *(f"pagedchat / {n}" for n in peers)],
+                rows, caption="pagedchat: the path measured faster per step size (its choices: paths_chosen)")
+    for note in r["notes"]:
+        print(note)
+    if "machine" in r:
+        print(f"machine: {r['machine']}")
+
+
+if __name__ == "__main__":
+    worker_main(*sys.argv[1:4])
