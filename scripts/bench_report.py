@@ -204,6 +204,33 @@ def spec(r: dict) -> str:
 
 
 def accuracy(r: dict) -> str:
+    if "modes" not in r:
+        return accuracy_int8(r)
+    text, rows = r["text"], []
+    for mode, m in r["modes"].items():
+        g, q = m["greedy"], m.get("questions")
+        rows.append([mode, pct(g["tokens_agreeing"]), f"{g['prompts_identical']}/{g['prompts']}",
+                     f"{m['divergences_at_near_ties']}/{g['prompts'] - g['prompts_identical']}",
+                     f"{m['max_logit_error']:.4f} ({pct(m['max_logit_error_rel_spread'])})",
+                     f"{m['perplexity']:.4f}" if "perplexity" in m else "-",
+                     f"{m['perplexity_increase']:+.2%}" if "perplexity_increase" in m else "-",
+                     f"{pct(q['accuracy'])} ({q['right']}/{r['questions']})" if q else "-",
+                     f"{q['identical_to_fp']}/{r['questions']}" if q else "-"])
+    scored = (f"; perplexity of {text['scored']:,} tokens ({text['kind']}, windows of {text['window']})"
+              if text.get("kind") else "")
+    parts = [f"{r['model']}: {r['greedy_prompts']} prompts x {r['greedy_tokens']} greedy tokens{scored}"
+             + (f"; {r['questions']} held-out questions" if r.get("questions") else "") + ".",
+             table(["mode", "greedy tokens agreeing", "prompts identical", "divergences at a near-tie",
+                    "max logit error (/ spread)", "perplexity", "vs fp", "questions right", "answers = fp's"], rows)]
+    peer = r.get("llama.cpp")
+    if peer and "note" not in peer:
+        parts.append("llama.cpp on the same token windows: " + ", ".join(
+            f"{k} {v['perplexity']:.4f} ({v['perplexity_increase']:+.2%})" for k, v in peer.items()) + ".")
+    return "\n\n".join(parts)
+
+
+def accuracy_int8(r: dict) -> str:
+    """The int8-only format of earlier result files."""
     return (f"`--quantize {r['quantize']}` against {r['baseline']}: {r['prompts']} prompts x {r['tokens']} greedy "
             f"tokens.\n\n"
             + table(["model", "greedy tokens agreeing", "prompts identical", "divergences at a near-tie",
@@ -229,6 +256,54 @@ def cpu_sweep(r: dict) -> str:
             + table(["batch", *names, "native / torch", *(f"pagedchat / {n}" for n in peers)], rows))
 
 
+def kv_dtype(r: dict) -> str:
+    rows = [[x["model"], x["kv_dtype"], f"{x['bytes_per_token']:,}", f"{x['pool_tokens']:,}" if "pool_tokens" in x
+             else "-", x.get("chats_4k", "-"), times(x["vs_auto"])] for x in r["pool"]]
+    held = "; ".join(f"{x['kv_dtype']}: {x['resident']} of {x['offered']} offered" for x in r["demo_chats_held"])
+    chat = r["demo_chats_held"][0]
+    parts = [table(["model", "KV dtype", "bytes per token", "tokens in 256 MiB", "4k-token chats", "vs the model's dtype"],
+                   rows),
+             f"The demo model's full-context chats ({chat['chat_tokens']} tokens) held pinned at once in {chat['budget']}: "
+             f"{held}."]
+    for g in r["small_greedy"]:
+        parts.append(f"Greedy agreement, `--kv-dtype int8` against fp32 KV, random Llama `small` at init std "
+                     f"{g['init_std']}: {pct(g['greedy_agreement'])} of tokens before the first divergence over "
+                     f"{g['prompts']} prompts, {g['identical_prompts']}/{g['prompts']} identical, "
+                     f"{g['divergences_at_near_ties']} of {g['prompts'] - g['identical_prompts']} divergences at a "
+                     f"near-tie; largest logit error {g['max_logit_error']:.4f} ({pct(g['max_logit_error_rel_spread'])} "
+                     "of the logits' spread).")
+    d = r["demo_eval"]
+    parts.append("The demo model's held-out questions: " + "; ".join(
+        f"KV {x['kv_dtype']} {x['right']}/{x['questions']} right (answer perplexity {x['perplexity']:.4f})"
+        for x in d["runs"]) + f"; {d['identical_replies']}/{d['runs'][0]['questions']} replies token-identical.")
+    return "\n\n".join(parts)
+
+
+def launches(r: dict) -> str:
+    rows = [[name, x["per_layer"], x["model_outside_layers"], x["step_outside_model"], x["per_step_like"]]
+            for name, x in (("unfused ops", r["unfused"]), ("fused layer kernels", r["fused"]))]
+    return (f"{r['model']}, {r['dtype']}, batch {r['batch']}, context {r['context']}: launches of one decode step on "
+            f"the CUDA code path (its ops counted on CPU, Triton kernels interpreted).\n\n"
+            + table(["path", "per layer", "model, outside layers", "step, outside the model",
+                     f"a {r['layers_like']}-layer step"], rows)
+            + f"\n\n{times(r['per_layer_ratio'])} fewer launches per layer fused.")
+
+
+def host_step_ab(r: dict) -> str:
+    return (f"Host CPU time of one engine step without a model (vocabulary {r['vocab']}, {r['max_tokens']} new "
+            f"tokens, median of {r['repeats']}), the sampler before ({r['before']}) and after ({r['after']}).\n\n"
+            + table(["batch", "workload", "before ms", "after ms", "after / before"],
+                    [[x["batch"], x["workload"], num(x["before_ms"]), num(x["after_ms"]),
+                      times(x["after_over_before"])] for x in r["rows"]]))
+
+
+def resources(r: dict) -> str:
+    return (f"Compiled for {r['target']} by Triton {r['triton']} on a CPU machine (`ptxas -v`).\n\n"
+            + table(["kernel", "dtype", "configuration", "registers", "spill stores", "spill loads", "shared bytes"],
+                    [[x["kernel"], x["dtype"], x["config"], x["registers"], x["spill_stores"], x["spill_loads"],
+                      x["shared_bytes"]] for x in r["rows"]]))
+
+
 def figures(r: dict) -> str:
     """Any result as its numbers (the GPU check's file: one JSON of every figure)."""
     flat = {}
@@ -247,7 +322,7 @@ def figures(r: dict) -> str:
 RENDERERS = {"memory": memory, "block-size": block_size, "shared-prefix": shared_prefix, "window": window,
              "beams": beams, "batch1": batch1, "throughput": throughput, "chat-turns": chat_turns,
              "chat-forks": chat_forks, "serve": serve, "spec": spec, "accuracy": accuracy, "cpu-sweep": cpu_sweep,
-             "figures": figures}
+             "kv-dtype": kv_dtype, "launches": launches, "host-step-ab": host_step_ab, "resources": resources, "figures": figures}
 
 
 # -- the page ------------------------------------------------------------------------------------------------------

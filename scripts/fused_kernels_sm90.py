@@ -70,7 +70,13 @@ def main() -> None:
                          "config": f"D={head_dim} BLOCK_H={block_h} qk_norm={qk_norm} warps=4",
                          **_report(tf._rope_write_kv_kernel, sig, const, num_warps=4, enable_fp_fusion=False)})
     if "--json" in sys.argv:
-        print(json.dumps({"target": "sm_90a", "triton": triton.__version__, "rows": rows}, indent=1))
+        import datetime
+
+        from pagedchat.bench.common import machine_description
+
+        print(json.dumps({"command": "python scripts/fused_kernels_sm90.py --json",
+                          "date": datetime.date.today().isoformat(), "machine": machine_description(),
+                          "target": "sm_90a", "triton": triton.__version__, "rows": rows}, indent=1))
         return
     for r in rows:
         print(f"{r['kernel']:14s} {r['dtype']:5s} {r['config']:36s} regs {r['registers']:4} "

@@ -12,12 +12,14 @@ at 0.02 (what trained checkpoints look like); the demo model's score on its
 held-out questions (scripts/eval_demo_model.py's set and judge) and its perplexity on the reference answers of
 those questions (teacher-forced through the pool, the answers scored).
 
-    python scripts/kv_dtype_bench.py [--json out.json] [--threads 2]
+    python scripts/kv_dtype_bench.py [--json out.json | --json -] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import builtins
+import functools
 import json
 import math
 import random
@@ -124,12 +126,14 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=8, help="random-model prompts for greedy agreement")
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--per-family", type=int, default=30, help="demo questions per family (the eval script's)")
-    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--json", default=None, help="write the result as JSON to this file (-: to stdout, the report "
+                                                "to stderr)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    result = {"date": time.strftime("%Y-%m-%d"), "machine": machine_description(), "threads": args.threads,
+    result = {"command": " ".join(["python scripts/kv_dtype_bench.py", *sys.argv[1:]]),
+              "date": time.strftime("%Y-%m-%d"), "machine": machine_description(), "threads": args.threads,
               "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -143,13 +147,18 @@ def main() -> int:
     evals = [demo_eval(kv, items, tokenizer) for kv in ("auto", "int8")]
     identical = sum(a == b for a, b in zip(evals[0].pop("replies"), evals[1].pop("replies")))
     result["demo_eval"] = {"runs": evals, "identical_replies": identical}
+    if args.json == "-":
+        report(result, sys.stderr)
+        print(json.dumps(result, indent=1))
+        return 0
     report(result)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1))
     return 0
 
 
-def report(r: dict) -> None:
+def report(r: dict, out=sys.stdout) -> None:
+    print = functools.partial(builtins.print, file=out)  # noqa: A001  (the report goes where it is asked)
     print(f"{r['date']}  {r['machine']}  {r['threads']} threads  torch {r['torch']}\n")
     print(f"| model | KV dtype | bytes/token | tokens in {BUDGET} | 4k-token chats | vs auto |")
     print("|---|---|---|---|---|---|")

@@ -27,10 +27,17 @@ else ISA=other; fi
 if want memory; then     # block counts: the same on every machine
     run memory -- pagedchat bench memory --beams 8 --json
     run memory-shared -- pagedchat bench memory --shared-prefix 200 --no-window --json --plot docs/img/memory.png
+    run kv-dtype -- python scripts/kv_dtype_bench.py --json -   # pool sizes per KV dtype, and what int8 KV costs
 fi
 if want throughput; then # batch-1 rows (with llama.cpp) and 16 prompts end to end
     run "throughput-cpu-$ISA" -- pagedchat bench throughput --random llama --random-size small \
         --systems pagedchat,hf-generate --requests 16 --max-tokens 64 --repeats 3 --peer llama.cpp --threads 1 --json
+    run "cpu-sweep-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size small --peer llama.cpp \
+        --threads 1 --json
+    run "cpu-sweep-int8-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size small --quantize int8 \
+        --batches 1,4,16 --peer llama.cpp --threads 1 --json
+    run "cpu-sweep-int4-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size small --quantize int4 \
+        --batches 1,4,16 --peer llama.cpp --threads 1 --json
 fi
 if want chat; then
     run "chat-cpu-$ISA" -- pagedchat bench chat --random llama --random-size small --device cpu \
@@ -52,6 +59,11 @@ if want accuracy; then   # not a timing, but the native int8 path differs per IS
     run accuracy-int8-demo -- pagedchat bench accuracy -m demo --prompts 8 --tokens 32 --threads 1 --json
     run accuracy-int8-small -- pagedchat bench accuracy --random-size small --init-std 0.02 --prompts 8 \
         --tokens 32 --threads 1 --json
+fi
+if want gpu; then         # what a CPU can measure of the CUDA path: launches per step, sm_90 registers
+    run launches-fused-cpu -- pagedchat bench launches --device cpu --json
+    run launches-fused-cpu-qwen3 -- pagedchat bench launches --device cpu --random qwen3 --json
+    run fused-kernels-sm90 -- python scripts/fused_kernels_sm90.py --json
 fi
 if want gpu && python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     if [[ -x scripts/gpu_check.sh ]]; then

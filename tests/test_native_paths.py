@@ -28,12 +28,13 @@ def test_the_faster_path_wins_after_a_few_alternating_steps(tmp_path):
     assert set(drive(slower, {"native": 3.0, "torch": 2.0}, 40)[trial:]) == {"torch"}  # never slower than torch
 
 
-def test_each_kind_and_size_of_step_is_measured_on_its_own(tmp_path):
+def test_each_size_of_step_is_measured_on_its_own_whatever_its_kind(tmp_path):
     choice = PathChoice(None, "model-a")
     drive(choice, {"native": 1.0, "torch": 2.0}, 20, tokens=1, seqs=1)
     assert set(drive(choice, {"native": 3.0, "torch": 2.0}, 20, tokens=64, seqs=64)[8:]) == {"torch"}
     assert choice.use_native(1, 1, threads=1) and not choice.use_native(40, 40, threads=1)  # 33-64 one group
-    assert group_of(5, 1) == "verify/5" and group_of(9, 9) == "decode/16" and group_of(1, 1) == "decode/1"
+    assert group_of(5, 1) == group_of(8, 8) == "tokens<=8" and group_of(9, 9) == "tokens<=16"
+    assert group_of(1, 1) == "tokens<=1" and group_of(3, 1) == group_of(4, 4) == "tokens<=4"
 
 
 def test_decisions_are_kept_for_the_next_process_and_per_model(tmp_path):
@@ -42,7 +43,7 @@ def test_decisions_are_kept_for_the_next_process_and_per_model(tmp_path):
     again = PathChoice(store, "model-a")
     assert drive(again, {"native": 1.0, "torch": 2.0}, 5) == ["torch"] * 5  # no trial: decided on disk
     assert drive(PathChoice(store, "model-b"), {"native": 1.0, "torch": 2.0}, 2) == ["native", "torch"]
-    entry = json.loads(store.read_text())["model-a"]["decode/16/threads=1"]
+    entry = json.loads(store.read_text())["model-a"]["tokens<=16/threads=1"]
     assert entry["use"] == "torch" and entry["native_ms_per_token"] > entry["torch_ms_per_token"]
 
 

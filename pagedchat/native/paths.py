@@ -3,10 +3,12 @@
 Why: the native step is not faster everywhere. It was built on an AVX-512 machine and ran 0.35x the torch path
 at 16 sequences on an AVX2 one; tile shapes per instruction set fixed that case, but how a CPU, a model's
 shape, a thread count and a batch size meet is measured, not known in advance. So the native step is used for
-a kind of step only where it measured at least as fast as the torch path.
+a size of step only where it measured at least as fast as the torch path.
 
-How: steps are grouped by kind (decode: one token per sequence; verify: several, as speculative decoding's) and
-by tokens, exactly up to 8, then in powers of two (16, 32, 64, ...). The first steps of a group alternate the two
+How: steps are grouped by their token count in powers of two (1, 2, 3-4, 5-8, 9-16, ...), whatever their kind:
+a decode step of 6 sequences and a verify step of 6 tokens (speculative decoding's k + 1 tokens of one
+sequence) make the same weight pass, which is most of a step's time, so they share a group (and a verify step,
+whose drafts come and go, does not wait for trials of its own). The first steps of a group alternate the two
 paths (the first step of each warms it up and is not counted), PathChoice.TRIALS timed steps each; the group
 then keeps the path with the lower median time per token. The result is kept on disk beside the library
 (`<library>.paths.json`, keyed by the model's shape, weight and pool formats and the thread count), so later
@@ -33,10 +35,9 @@ def always_native() -> bool:
 
 
 def group_of(tokens: int, seqs: int) -> str:
-    """The group a step is measured in: its kind and its token count (exact to 8, then the next power of 2)."""
-    kind = "decode" if tokens == seqs else "verify"
-    size = tokens if tokens <= 8 else 1 << (tokens - 1).bit_length()
-    return f"{kind}/{size}"
+    """The group a step is measured in: its token count rounded up to a power of two (seqs: how many
+    sequences they belong to; the kind of step does not change the group)."""
+    return f"tokens<={1 << (tokens - 1).bit_length()}"
 
 
 @dataclass
