@@ -56,9 +56,10 @@ if want spec; then
     run "spec-demo-$ISA" -- pagedchat bench spec -m demo --batch 16 --max-tokens 96 --repeats 5 --json
 fi
 if want accuracy; then   # not a timing, but the native int8 path differs per ISA in its rounding
-    run accuracy-int8-demo -- pagedchat bench accuracy -m demo --prompts 8 --tokens 32 --threads 1 --json
-    run accuracy-int8-small -- pagedchat bench accuracy --random-size small --init-std 0.02 --prompts 8 \
-        --tokens 32 --threads 1 --json
+    run accuracy-demo -- pagedchat bench accuracy -m demo --modes fp,int8,int4,kv-int8 --peer llama.cpp \
+        --threads 1 --json
+    run accuracy-small -- pagedchat bench accuracy --random llama --random-size small --init-std 0.02 \
+        --modes fp,int8,int4,kv-int8 --prompts 8 --tokens 256 --threads 1 --json
 fi
 if want gpu; then         # what a CPU can measure of the CUDA path: launches per step, sm_90 registers
     run launches-fused-cpu -- pagedchat bench launches --device cpu --json

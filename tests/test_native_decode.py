@@ -20,7 +20,7 @@ from hf_models import ARCHS
 from oracle import assert_greedy_equal, reference
 from pagedchat.engine import Engine, EngineConfig, SamplingParams
 from pagedchat.model.attention import AttentionMetadata
-from pagedchat.model.quantize import Int8Linear
+from pagedchat.model.quantize import Int4Linear, Int8Linear
 from pagedchat.native import build
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -118,19 +118,9 @@ def int8_blocks_forward(self, x: torch.Tensor) -> torch.Tensor:
     return out if self.bias is None else out + self.bias
 
 
-class Int4Module(torch.nn.Module):
-    """A linear layer in pagedchat/model/int4.py's layout (packed, scales, bias) computing the dequantized
-    product: what the native step binds to by those tensors."""
-
-    def __init__(self, linear: torch.nn.Linear):
-        from pagedchat.model.int4 import quantize_int4
-
-        super().__init__()
-        packed, scales = quantize_int4(linear.weight.detach())
-        self.register_buffer("packed", packed)
-        self.register_buffer("scales", scales)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+class Int4Module(Int4Linear):
+    """model/quantize.py's int4 layer (packed, scales, bias: what the native step binds to by those tensors)
+    computing the plain dequantized product."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from pagedchat.model.int4 import dequantize_int4
@@ -177,8 +167,8 @@ def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, int8: bool = 
     half step rounds one way here and the other there (about 1 in 10^4 values), which moves that row's logits
     by up to a few tenths on these tiny models (their weights are large). So a step may hold a few such tokens,
     with the later tokens of their sequences in a verify step, which attend to their K/V (tokens: each
-    sequence's tokens in the step, row order; None: one row each): at most one sequence in four, none off by
-    half a logit or more. A wrong kernel moves every row, by more; the kernels themselves are held to 1e-5
+    sequence's tokens in the step, row order; None: one row each): at most a third of the sequences (two
+    where there are fewer), none off by half a logit or more. A wrong kernel moves every row, by more; the kernels themselves are held to 1e-5
     on the same input (test_each_weight_format_computes_torchs_product)."""
     if not int8:
         torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
@@ -187,7 +177,7 @@ def assert_logits_close(got: torch.Tensor, expected: torch.Tensor, int8: bool = 
     off = ~torch.isclose(got, expected, rtol=tol, atol=tol).all(dim=-1)
     seq = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(tokens)) if tokens else \
         torch.arange(got.shape[0])
-    allowed = max(1, (int(seq.max()) + 1) // 4)
+    allowed = max(2, (int(seq.max()) + 1) // 3)
     assert seq[off].unique().numel() <= allowed and (got - expected).abs().max() < 0.5, \
         (off, (got - expected).abs().max())
 

@@ -52,8 +52,8 @@ def test_int8_linear_in_half_precision(dtype):
 
 
 def test_int8_on_the_demo_model_stays_close_to_fp32(monkeypatch):
-    """End to end through the engine: greedy tokens agree with fp32 and no logit moves by more than a few
-    percent of the logits' spread (measured 0.8% on 2026-11-24). Every decode step on the native step, as the
+    """End to end through the engine: greedy tokens agree with fp32 up to near-ties and no logit moves by more
+    than a few percent of the logits' spread (measured 0.8% on 2026-11-24). Every decode step on the native step, as the
     teacher-forced passes run (not the first steps' native-or-torch trials: native/paths.py)."""
     monkeypatch.setenv("PAGEDCHAT_NATIVE", "always")
     from pagedchat.registry import Registry
@@ -61,7 +61,8 @@ def test_int8_on_the_demo_model_stays_close_to_fp32(monkeypatch):
     path = str(Registry().resolve("demo").path)
     prompts = [[1, 400, 401, 402, 403, 12, 2], [1, 30, 31, 32, 33, 34, 35, 36, 2], list(range(5, 45))]
     r = measure(path, prompts, tokens=12)
-    assert r["identical_prompts"] >= 2 and r["greedy_agreement"] >= 0.8, r
+    # every prompt identical, or diverging only where fp32's top two logits are within the error (a near-tie)
+    assert r["identical_prompts"] >= 2 and r["identical_prompts"] + r["divergences_at_near_ties"] == r["prompts"], r
     assert 0 < r["max_logit_error_rel_spread"] < 0.03, r
 
 
