@@ -93,7 +93,7 @@ def default_prefill(head_dim: int, dtype: torch.dtype, size: str, q_dtype: torch
     if torch.float32 in (dtype, q_dtype):
         # IEEE fp32 dots run on the FMA units, each thread holding whole rows of its operands: larger tiles spill
         # on sm_90 (docs/kernels.md). fp32 serves exactness checks, not speed.
-        return PrefillConfig(rows=32 if block_d <= 64 else 16, tile=16, num_warps=4, num_stages=2)
+        return PrefillConfig(rows=32 if block_d <= 32 else 16, tile=16, num_warps=4, num_stages=2)
     if block_d > 128:
         return PrefillConfig(rows=64, tile=32, num_warps=8, num_stages=2)
     rows = 64 if size == "extend64" else 128
@@ -120,7 +120,7 @@ def prefill_candidates(head_dim: int, dtype: torch.dtype, size: str,
     base = default_prefill(head_dim, dtype, size, q_dtype)
     if torch.float32 in (dtype, q_dtype):
         grid = [PrefillConfig(16, 16, 4, 2), PrefillConfig(16, 16, 4, 3)]
-        if _pow2(max(16, head_dim)) <= 64:
+        if _pow2(max(16, head_dim)) <= 32:
             grid += [PrefillConfig(32, 16, 4, 2), PrefillConfig(32, 16, 4, 3)]
     elif _pow2(max(16, head_dim)) > 128:
         grid = [PrefillConfig(64, 32, 8, 2), PrefillConfig(64, 32, 8, 3), PrefillConfig(64, 64, 8, 2),
