@@ -266,7 +266,7 @@ class NativeDecode:
         self.lib, self.struct, self.layers, self.keep = lib, model_struct, layers, keep
         self.vocab = model_struct.vocab
         self.threads: ThreadChoice | None = None
-        self.paths = paths  # native or torch, per kind and size of step (pagedchat/native/paths.py)
+        self.paths = paths  # native or torch, per size of step (pagedchat/native/paths.py)
         lib.pc_step.restype = c_int
         lib.pc_step.argtypes = [POINTER(_Model), c_int64, _ptr, _ptr, c_int64, _ptr, _ptr, c_int64, _ptr, c_int]
 
