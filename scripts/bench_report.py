@@ -249,8 +249,12 @@ def cpu_sweep(r: dict) -> str:
         rows.append([b, *(num(t[n][b]) for n in names), times(native / torch_path),
                      *(times(ours / t[n][b]) for n in peers)])
     quantize = f", `--quantize {r['quantize']}`" if r.get("quantize") else ""
-    return (f"Decode tokens/s (decode only: {r['new_tokens']} new tokens after prompts of {r['prompt_tokens'][0]}-"
-            f"{r['prompt_tokens'][1]} tokens){quantize}; {r['threads']} thread per system, median of {r['repeats']} "
+    new = r["new_tokens"]
+    counts = sorted(set(new.values())) if isinstance(new, dict) else [new]
+    decoded = f"{counts[0]}" if len(counts) == 1 else f"{counts[-1]} (batch 1) to {counts[0]}"
+    return (f"Decode tokens/s (decode only: {decoded} new tokens per sequence after prompts of "
+            f"{r['prompt_tokens'][0]}-{r['prompt_tokens'][1]} tokens){quantize}; {r['threads']} thread per system, "
+            f"median of {r['repeats']} "
             "alternating runs. `pagedchat` is what a user gets: per step size, whichever of the native step and "
             "the torch path measured faster on this machine.\n\n"
             + table(["batch", *names, "native / torch", *(f"pagedchat / {n}" for n in peers)], rows))

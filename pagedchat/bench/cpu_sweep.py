@@ -10,8 +10,9 @@ Systems, each in its own process with the same thread count, taking turns (media
   - llama.cpp F32        (--peer llama.cpp) its own multi-sequence batching through the C API, on the same weights
                          as GGUF (Q8_0 instead with --quantize int8, Q4_0 with int4)
 
-Each row is decode only: the clock starts once every prompt of the batch has its first token. Prompts are 16-64
-tokens (a short chat turn), so prefilling 64 of them does not dominate the run.
+Each row is decode only: the clock starts once every prompt of the batch has its first token, and a run decodes
+at least 256 tokens (256 new tokens at batch 1, 32 per sequence from batch 8 on). Prompts are 16-64 tokens (a
+short chat turn), so prefilling 64 of them does not dominate the run.
 """
 
 from __future__ import annotations
@@ -29,7 +30,14 @@ from pathlib import Path
 from pagedchat.errors import UserError
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-NEW_TOKENS = 32
+NEW_TOKENS = 32       # per sequence, at least
+MIN_DECODED = 256     # tokens a run decodes at the least: a batch-1 run of 32 tokens lasts ~0.1 s, and this
+                      # machine class varies by more than 15% over spans that short
+
+
+def new_tokens(batch: int) -> int:
+    """Tokens each sequence decodes at this batch size: 256 at batch 1 down to 32 from batch 8 on."""
+    return max(NEW_TOKENS, -(-MIN_DECODED // batch))
 PROMPT_TOKENS = (16, 64)
 WARM_STEPS = 12  # per batch size before its timed run: the path choice's trials (4 steps a path) are over
 GGUF_TYPE = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}
@@ -55,12 +63,12 @@ def worker_pagedchat(spec: dict) -> dict:
     engine = Engine(EngineConfig(model=spec["model"], device="cpu", dtype="float32", max_num_seqs=max(spec["batches"]),
                                  num_blocks=max(spec["batches"]) * 8 + 64, block_size=16, **quantize),
                     show_progress=False)
-    params = SamplingParams(temperature=0, max_tokens=spec["new_tokens"], ignore_eos=True)
+    params = SamplingParams(temperature=0, ignore_eos=True)
     rates = {}
     for batch in spec["batches"]:
         prompts = sweep_prompts(batch, spec["vocab_size"], spec["seed"])
         engine.generate(prompts, params.with_(max_tokens=WARM_STEPS))  # warm-up (and the path trials)
-        rates[str(batch)] = _decode_rate(engine, prompts, params)
+        rates[str(batch)] = _decode_rate(engine, prompts, params.with_(max_tokens=new_tokens(batch)))
     native = engine.runner.native
     chosen = dict(native.paths.decided) if native is not None else {}
     return {"decode_tok_per_s": rates, "native_bound": native is not None, "paths": chosen}
@@ -77,7 +85,7 @@ def worker_transformers(spec: dict) -> dict:
     for batch in spec["batches"]:
         prompts = sweep_prompts(batch, spec["vocab_size"], spec["seed"])
         _hf_timed_generate(model, prompts, 2)  # warm-up
-        rates[str(batch)] = _hf_decode_rate(model, prompts, spec["new_tokens"])
+        rates[str(batch)] = _hf_decode_rate(model, prompts, new_tokens(batch))
     return {"decode_tok_per_s": rates}
 
 
@@ -88,7 +96,7 @@ def worker_llama_cpp(spec: dict) -> dict:
     for batch in spec["batches"]:
         prompts = sweep_prompts(batch, spec["vocab_size"], spec["seed"])
         decode_rate_llama_cpp(spec["gguf"], prompts[:1], 2, spec["threads"])  # warm-up
-        rates[str(batch)] = decode_rate_llama_cpp(spec["gguf"], prompts, spec["new_tokens"], spec["threads"])
+        rates[str(batch)] = decode_rate_llama_cpp(spec["gguf"], prompts, new_tokens(batch), spec["threads"])
     return {"decode_tok_per_s": rates}
 
 
@@ -132,7 +140,7 @@ def run_cpu_sweep(model_path: Path, threads: int, batches: list[int], repeats: i
     from pagedchat.bench.batch1 import llama_cpp_available, write_gguf
 
     config = json.loads((Path(model_path) / "config.json").read_text())
-    base = {"model": str(model_path), "threads": threads, "batches": batches, "new_tokens": NEW_TOKENS,
+    base = {"model": str(model_path), "threads": threads, "batches": batches,
             "vocab_size": config["vocab_size"], "seed": seed, "quantize": quantize}
     systems = {name: {**base, "native": native} for name, native in PAGEDCHAT_PATHS.items()}
     systems["transformers"] = dict(base)
@@ -152,7 +160,8 @@ def run_cpu_sweep(model_path: Path, threads: int, batches: list[int], repeats: i
     table = {name: {str(b): statistics.median(r["decode_tok_per_s"][str(b)] for r in rs) for b in batches}
              for name, rs in runs.items()}
     paths = runs["pagedchat"][-1].get("paths", {})
-    return {"threads": threads, "repeats": repeats, "batches": batches, "new_tokens": NEW_TOKENS,
+    return {"threads": threads, "repeats": repeats, "batches": batches,
+            "new_tokens": {str(b): new_tokens(b) for b in batches},
             "prompt_tokens": list(PROMPT_TOKENS), "quantize": quantize, "decode_tok_per_s": table,
             "runs": {name: [r["decode_tok_per_s"] for r in rs] for name, rs in runs.items()},
             "native_bound": runs["pagedchat"][-1].get("native_bound"), "paths_chosen": paths, "notes": notes}
@@ -170,7 +179,7 @@ def print_cpu_sweep_report(r: dict) -> None:
         rows.append([int(b), *(table[n][b] for n in names), table["pagedchat native"][b] / table["pagedchat torch"][b],
                      ours / max(table["pagedchat native"][b], table["pagedchat torch"][b]),
                      *(ours / table[n][b] for n in peers)])
-    print_table(f"Decode tok/s by batch size ({r['new_tokens']} new tokens after {r['prompt_tokens'][0]}-"
+    print_table(f"Decode tok/s by batch size ({_tokens_text(r)} after {r['prompt_tokens'][0]}-"
                 f"{r['prompt_tokens'][1]}-token prompts, decode only); {r['threads']} thread(s), median of "
                 f"{r['repeats']} alternating runs" + (f"; --quantize {r['quantize']}" if r["quantize"] else ""),
                 ["batch", *names, "native / torch", "pagedchat / faster path", *(f"pagedchat / {n}" for n in peers)],
@@ -179,6 +188,11 @@ def print_cpu_sweep_report(r: dict) -> None:
         print(note)
     if "machine" in r:
         print(f"machine: {r['machine']}")
+
+
+def _tokens_text(r: dict) -> str:
+    counts = sorted(set(r["new_tokens"].values()))
+    return f"{counts[0]} new tokens each" if len(counts) == 1 else f"{counts[-1]}-{counts[0]} new tokens each"
 
 
 if __name__ == "__main__":
