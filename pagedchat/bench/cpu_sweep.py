@@ -29,19 +29,18 @@ from pathlib import Path
 
 from pagedchat.errors import UserError
 
-BATCHES = (1, 2, 4, 8, 16, 32, 64)
 NEW_TOKENS = 32       # per sequence, at least
 MIN_DECODED = 256     # tokens a run decodes at the least: a batch-1 run of 32 tokens lasts ~0.1 s, and this
                       # machine class varies by more than 15% over spans that short
+PROMPT_TOKENS = (16, 64)
+WARM_STEPS = 12  # per batch size before its timed run: the path choice's trials (4 steps a path) are over
+GGUF_TYPE = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}
+PAGEDCHAT_PATHS = {"pagedchat": None, "pagedchat native": "always", "pagedchat torch": "0"}
 
 
 def new_tokens(batch: int) -> int:
     """Tokens each sequence decodes at this batch size: 256 at batch 1 down to 32 from batch 8 on."""
     return max(NEW_TOKENS, -(-MIN_DECODED // batch))
-PROMPT_TOKENS = (16, 64)
-WARM_STEPS = 12  # per batch size before its timed run: the path choice's trials (4 steps a path) are over
-GGUF_TYPE = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}
-PAGEDCHAT_PATHS = {"pagedchat": None, "pagedchat native": "always", "pagedchat torch": "0"}
 
 
 def sweep_prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
@@ -50,13 +49,8 @@ def sweep_prompts(batch: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 # -- the workers (each in its own process) --------------------------------------------------------------------
-def _decode_rate(engine, prompts: list[list[int]], params) -> float:
-    from pagedchat.bench.batch1 import decode_rate_pagedchat
-
-    return decode_rate_pagedchat(engine, prompts, params)
-
-
 def worker_pagedchat(spec: dict) -> dict:
+    from pagedchat.bench.batch1 import decode_rate_pagedchat
     from pagedchat.engine import Engine, EngineConfig, SamplingParams
 
     quantize = {"quantize": spec["quantize"]} if spec.get("quantize") else {}
@@ -68,7 +62,7 @@ def worker_pagedchat(spec: dict) -> dict:
     for batch in spec["batches"]:
         prompts = sweep_prompts(batch, spec["vocab_size"], spec["seed"])
         engine.generate(prompts, params.with_(max_tokens=WARM_STEPS))  # warm-up (and the path trials)
-        rates[str(batch)] = _decode_rate(engine, prompts, params.with_(max_tokens=new_tokens(batch)))
+        rates[str(batch)] = decode_rate_pagedchat(engine, prompts, params.with_(max_tokens=new_tokens(batch)))
     native = engine.runner.native
     chosen = dict(native.paths.decided) if native is not None else {}
     return {"decode_tok_per_s": rates, "native_bound": native is not None, "paths": chosen}
