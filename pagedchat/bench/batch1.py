@@ -414,18 +414,9 @@ def startup_times(threads: int, repeats: int) -> dict:
 
 # -- the parent -----------------------------------------------------------------------------------------------
 def _run(system: str, spec: dict, workdir: Path, timeout: float) -> dict:
-    spec_path = workdir / f"{system}-{time.monotonic_ns()}.json"
-    spec_path.write_text(json.dumps(spec))
-    out = spec_path.with_suffix(".out")
-    cmd = [sys.executable, "-m", "pagedchat.bench.batch1", system, str(spec_path), str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"batch-1 {system} run did not finish within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise UserError(f"batch-1 {system} run failed: {tail[0]}")
-    return json.loads(out.read_text())
+    from pagedchat.bench.common import run_worker
+
+    return run_worker("pagedchat.bench.batch1", system, spec, workdir, timeout, f"batch-1 {system}")
 
 
 def run_batch1_bench(model_path: Path, threads: int, repeats: int = 3, new_tokens: int = 64,

@@ -211,3 +211,27 @@ def save_figure(fig, path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90, bbox_inches="tight")
+
+
+def run_worker(module: str, worker: str, spec: dict, workdir, timeout: float, label: str,
+               env: dict[str, str] | None = None) -> dict:
+    """`python -m module worker SPEC OUT` in its own process (a clean interpreter per system and run, so no
+    system inherits another's threads, caches or allocations): the spec goes in as JSON, the result comes back
+    as JSON. A run that fails or times out is one UserError naming `label`."""
+    import time
+    from pathlib import Path
+
+    from pagedchat.errors import UserError
+
+    spec_path = Path(workdir) / f"{label.replace(' ', '-')}-{time.monotonic_ns()}.json"
+    spec_path.write_text(json.dumps(spec))
+    out = spec_path.with_suffix(".out")
+    cmd = [sys.executable, "-m", module, worker, str(spec_path), str(out)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{label} run did not finish within {timeout:.0f} s") from None
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        raise UserError(f"{label} run failed: {tail[0]}")
+    return json.loads(out.read_text())

@@ -21,13 +21,9 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-from pagedchat.errors import UserError
 
 NEW_TOKENS = 32       # per sequence, at least
 MIN_DECODED = 256     # tokens a run decodes at the least: a batch-1 run of 32 tokens lasts ~0.1 s, and this
@@ -110,22 +106,14 @@ def worker_main(system: str, spec_path: str, out_path: str) -> None:
 
 # -- the parent -----------------------------------------------------------------------------------------------
 def _run(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
-    spec_path = workdir / f"{name.replace(' ', '-')}-{time.monotonic_ns()}.json"
-    spec_path.write_text(json.dumps(spec))
-    out = spec_path.with_suffix(".out")
-    env = dict(os.environ)
-    env.pop("PAGEDCHAT_NATIVE", None)
+    """One system's run in its own process, PAGEDCHAT_NATIVE as the system asks (unset: the measured choice)."""
+    from pagedchat.bench.common import run_worker
+
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDCHAT_NATIVE"}
     if spec.get("native"):
         env["PAGEDCHAT_NATIVE"] = spec["native"]
-    cmd = [sys.executable, "-m", "pagedchat.bench.cpu_sweep", name.split()[0], str(spec_path), str(out)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        raise UserError(f"cpu-sweep: the {name} run did not finish within {timeout:.0f} s") from None
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        raise UserError(f"cpu-sweep: the {name} run failed: {tail[0]}")
-    return json.loads(out.read_text())
+    return run_worker("pagedchat.bench.cpu_sweep", name.split()[0], spec, workdir, timeout, f"cpu-sweep: the {name}",
+                      env)
 
 
 def run_cpu_sweep(model_path: Path, threads: int, batches: list[int], repeats: int = 3, quantize: str | None = None,
