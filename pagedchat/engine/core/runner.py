@@ -170,16 +170,22 @@ class ModelRunner:
         graphs = DecodeGraphs.reserve_bytes(self, config) if self._graphs_wanted(config) else 0
         return int(total * fraction - (total - free) - peak_activations - graphs)
 
+    def _bind_scratch_pool(self, num_blocks: int) -> None:
+        """Point every attention layer at a throw-away one-layer pool of `num_blocks` blocks in the pool's dtype
+        (with its scales when quantized): memory is measured before the real pool exists, which is bound after."""
+        spec = self.loaded.spec
+        scratch = KVCaches.allocate(1, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim, self.kv_dtype,
+                                    self.device)
+        for layer in self.model.attention_layers():
+            _bind(layer, scratch, 0)
+
     @torch.inference_mode()
     def _profile_forward(self, config: EngineConfig) -> None:
         """One prefill of a full step's tokens into a throw-away cache, to measure activation memory."""
         num_tokens = min(config.max_num_batched_tokens, self.loaded.max_model_len)
-        spec, dev = self.loaded.spec, self.device
+        dev = self.device
         blocks = -(-num_tokens // self.block_size)
-        scratch = KVCaches.allocate(1, blocks, self.block_size, spec.num_kv_heads, spec.head_dim,
-                                    kv_cache_dtype(config.kv_dtype, self.loaded.dtype), dev)
-        for layer in self.model.attention_layers():
-            _bind(layer, scratch, 0)
+        self._bind_scratch_pool(blocks)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(num_tokens, device=dev),
             block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
@@ -189,7 +195,6 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=dev), meta)[-1:])
         torch.cuda.synchronize(dev)
-        del scratch
 
     # -- blocks in and out (the RAM and disk tiers) ----------------------------------------------------------
     @property
@@ -430,12 +435,9 @@ class DecodeGraphs:
         """What the graphs will hold, measured before the pool is sized (CUDA): their static buffers and the
         peak of one eager step at the largest size (the graphs share one memory pool, sized by the largest)."""
         rows, _ = cls.rows_for(config)
-        spec, dev = runner.loaded.spec, runner.device
+        dev = runner.device
         max_blocks = -(-runner.loaded.max_model_len // runner.block_size)
-        scratch = KVCaches.allocate(1, 1, runner.block_size, spec.num_kv_heads, spec.head_dim,
-                                    kv_cache_dtype(config.kv_dtype, runner.loaded.dtype), dev)
-        for layer in runner.model.attention_layers():
-            _bind(layer, scratch, 0)
+        runner._bind_scratch_pool(1)
         meta = AttentionMetadata(torch.full((rows,), -1, dtype=torch.long, device=dev),
                                  torch.zeros((rows, max_blocks), dtype=torch.int32, device=dev),
                                  torch.ones(rows, dtype=torch.int32, device=dev),
