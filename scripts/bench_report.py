@@ -269,17 +269,6 @@ def kv_dtype(r: dict) -> str:
                    rows),
              f"The demo model's full-context chats ({chat['chat_tokens']} tokens) held pinned at once in {chat['budget']}: "
              f"{held}."]
-    for g in r["small_greedy"]:
-        parts.append(f"Greedy agreement, `--kv-dtype int8` against fp32 KV, random Llama `small` at init std "
-                     f"{g['init_std']}: {pct(g['greedy_agreement'])} of tokens before the first divergence over "
-                     f"{g['prompts']} prompts, {g['identical_prompts']}/{g['prompts']} identical, "
-                     f"{g['divergences_at_near_ties']} of {g['prompts'] - g['identical_prompts']} divergences at a "
-                     f"near-tie; largest logit error {g['max_logit_error']:.4f} ({pct(g['max_logit_error_rel_spread'])} "
-                     "of the logits' spread).")
-    d = r["demo_eval"]
-    parts.append("The demo model's held-out questions: " + "; ".join(
-        f"KV {x['kv_dtype']} {x['right']}/{x['questions']} right (answer perplexity {x['perplexity']:.4f})"
-        for x in d["runs"]) + f"; {d['identical_replies']}/{d['runs'][0]['questions']} replies token-identical.")
     return "\n\n".join(parts)
 
 

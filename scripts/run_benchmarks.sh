@@ -27,7 +27,7 @@ else ISA=other; fi
 if want memory; then     # block counts: the same on every machine
     run memory -- pagedchat bench memory --beams 8 --json
     run memory-shared -- pagedchat bench memory --shared-prefix 200 --no-window --json --plot docs/img/memory.png
-    run kv-dtype -- python scripts/kv_dtype_bench.py --json -   # pool sizes per KV dtype, and what int8 KV costs
+    run kv-dtype -- python scripts/kv_dtype_bench.py --json -   # pool sizes per KV dtype at the same budget
 fi
 if want throughput; then # batch-1 rows (with llama.cpp) and 16 prompts end to end
     run "throughput-cpu-$ISA" -- pagedchat bench throughput --random llama --random-size small \

@@ -4,7 +4,7 @@ The oracle is transformers with its KV cache quantized the same way (oracle.quan
 token's K and V stored as int8 + a float16 scale per head, read back as values x scales): the int8 pool's
 greedy tokens must equal it, alone, batched, chunked, preempted, forked, in beams, speculating, on Gemma's
 sliding windows. (Against the unquantized model, random-weight models drift apart after a few dozen tokens:
-scripts/kv_dtype_bench.py reports that agreement; docs/benchmarks.md.) Then the pool's size in bytes, the RAM
+`pagedchat bench accuracy --modes fp,kv-int8` reports that agreement; docs/benchmarks.md.) Then the pool's size in bytes, the RAM
 and disk tiers (a quantized block comes back byte for byte, and is never read as another KV dtype), and the
 options."""
 
