@@ -384,9 +384,18 @@ typedef struct {
     const int32_t *sum;  /* [B, in / QBLOCK]: the sum of a block's q; or [B, 4 * in / QBLOCK], see quantize_pairs */
 } Input;
 
-INLINE void quantize_block(const float *v, int8_t *q, float *d, int32_t *sum) {
+/* The largest |v[i]|; not fmaxf, which without -ffast-math is a call into libm per value. */
+INLINE float max_abs(const float *v, int64_t n) {
     float amax = 0.f;
-    for (int j = 0; j < QBLOCK; j++) amax = fmaxf(amax, fabsf(v[j]));
+    for (int64_t i = 0; i < n; i++) {
+        const float a = fabsf(v[i]);
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
+INLINE void quantize_block(const float *v, int8_t *q, float *d, int32_t *sum) {
+    const float amax = max_abs(v, QBLOCK);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     int32_t total = 0;
     for (int j = 0; j < QBLOCK; j++) {
@@ -902,9 +911,7 @@ INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 /* One (token, kv head) of K or V into an int8 pool, as kernels/kv_quant.py quantize_kv: scale = float16 of
  * max|x| / 127, values round(x / scale) (ties to even) clamped to +-127; a zero head keeps scale 0. */
 static void quantize_head(const float *x, int64_t D, int8_t *q, uint16_t *scale) {
-    float amax = 0.f;
-    for (int64_t d = 0; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
-    const uint16_t h = f32_to_f16(amax / 127.f);
+    const uint16_t h = f32_to_f16(max_abs(x, D) / 127.f);
     const float stored = f16_to_f32(h), safe = stored > 0.f ? stored : 1.f;
     for (int64_t d = 0; d < D; d++) q[d] = (int8_t)fminf(fmaxf(rintf(x[d] / safe), -127.f), 127.f);
     *scale = h;
