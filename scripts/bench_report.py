@@ -244,10 +244,11 @@ def cpu_sweep(r: dict) -> str:
     t, names = r["decode_tok_per_s"], list(r["decode_tok_per_s"])
     peers = [n for n in names if not n.startswith("pagedchat")]
     rows = []
+    both = {"pagedchat native", "pagedchat torch"} <= set(t)  # neither path skipped
     for b in map(str, r["batches"]):
-        ours, native, torch_path = t["pagedchat"][b], t["pagedchat native"][b], t["pagedchat torch"][b]
-        rows.append([b, *(num(t[n][b]) for n in names), times(native / torch_path),
-                     *(times(ours / t[n][b]) for n in peers)])
+        ours = t["pagedchat"][b]
+        paths = [times(t["pagedchat native"][b] / t["pagedchat torch"][b])] if both else []
+        rows.append([b, *(num(t[n][b]) for n in names), *paths, *(times(ours / t[n][b]) for n in peers)])
     quantize = f", `--quantize {r['quantize']}`" if r.get("quantize") else ""
     new = r["new_tokens"]
     counts = sorted(set(new.values())) if isinstance(new, dict) else [new]
@@ -257,7 +258,8 @@ def cpu_sweep(r: dict) -> str:
             f"median of {r['repeats']} "
             "alternating runs. `pagedchat` is what a user gets: per step size, whichever of the native step and "
             "the torch path measured faster on this machine.\n\n"
-            + table(["batch", *names, "native / torch", *(f"pagedchat / {n}" for n in peers)], rows))
+            + table(["batch", *names, *(["native / torch"] if both else []), *(f"pagedchat / {n}" for n in peers)],
+                    rows))
 
 
 def kv_dtype(r: dict) -> str:

@@ -27,3 +27,19 @@ def test_each_system_at_each_batch_size(tmp_path, monkeypatch, capsys):
 
 def test_every_run_decodes_enough_tokens_to_time():
     assert [cpu_sweep.new_tokens(b) for b in (1, 2, 4, 8, 64)] == [256, 128, 64, 32, 32]
+
+
+def test_skipped_rows_are_not_run_nor_reported(tmp_path, capsys):
+    model = build_random_model("llama", tmp_path / "llama", "tiny", max_positions=1024)
+    r = cpu_sweep.run_cpu_sweep(model, threads=1, batches=[2], repeats=1, skip=("torch", "transformers"))
+    assert set(r["decode_tok_per_s"]) == {"pagedchat", "pagedchat native"}
+    cpu_sweep.print_cpu_sweep_report(r)
+    out = capsys.readouterr().out
+    assert "pagedchat native" in out and "native / torch" not in out and "transformers" not in out
+
+
+def test_an_unknown_row_to_skip_is_one_line(pagedchat_cli):
+    code, out, err = pagedchat_cli("bench", "cpu-sweep", "--random", "llama", "--random-size", "tiny",
+                                   "--skip", "native,llama")
+    assert code != 0 and "--skip takes native, torch, transformers; got llama" in err
+    assert "Traceback" not in out + err

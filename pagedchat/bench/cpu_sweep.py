@@ -32,6 +32,7 @@ PROMPT_TOKENS = (16, 64)
 WARM_STEPS = 12  # per batch size before its timed run: the path choice's trials (4 steps a path) are over
 GGUF_TYPE = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}
 PAGEDCHAT_PATHS = {"pagedchat": None, "pagedchat native": "always", "pagedchat torch": "0"}
+SKIPPABLE = {"native": "pagedchat native", "torch": "pagedchat torch", "transformers": "transformers"}
 
 
 def new_tokens(batch: int) -> int:
@@ -117,8 +118,9 @@ def _run(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
 
 
 def run_cpu_sweep(model_path: Path, threads: int, batches: list[int], repeats: int = 3, quantize: str | None = None,
-                  peer: str | None = None, seed: int = 0, timeout: float = 1800) -> dict:
-    """Every system at every batch size, the systems taking turns; the median of each counts."""
+                  peer: str | None = None, seed: int = 0, timeout: float = 1800, skip: tuple[str, ...] = ()) -> dict:
+    """Every system at every batch size, the systems taking turns; the median of each counts. `skip` leaves
+    out rows by their SKIPPABLE name (on a 1B model the torch path and transformers take most of an hour)."""
     from pagedchat.bench.batch1 import llama_cpp_available, write_gguf
 
     config = json.loads((Path(model_path) / "config.json").read_text())
@@ -126,6 +128,8 @@ def run_cpu_sweep(model_path: Path, threads: int, batches: list[int], repeats: i
             "vocab_size": config["vocab_size"], "seed": seed, "quantize": quantize}
     systems = {name: {**base, "native": native} for name, native in PAGEDCHAT_PATHS.items()}
     systems["transformers"] = dict(base)
+    for name in skip:
+        del systems[SKIPPABLE[name]]
     notes = []
     with tempfile.TemporaryDirectory(prefix="pagedchat-cpu-sweep-") as tmp:
         if peer == "llama.cpp":
@@ -158,18 +162,24 @@ def print_cpu_sweep_report(r: dict) -> None:
     for b in r["batches"]:
         b = str(b)
         ours = table["pagedchat"][b]
-        rows.append([int(b), *(table[n][b] for n in names), table["pagedchat native"][b] / table["pagedchat torch"][b],
-                     ours / max(table["pagedchat native"][b], table["pagedchat torch"][b]),
-                     *(ours / table[n][b] for n in peers)])
+        both = [table["pagedchat native"][b] / table["pagedchat torch"][b],
+                ours / max(table["pagedchat native"][b], table["pagedchat torch"][b])] if has_both_paths(r) else []
+        rows.append([int(b), *(table[n][b] for n in names), *both, *(ours / table[n][b] for n in peers)])
+    ratios = ["native / torch", "pagedchat / faster path"] if has_both_paths(r) else []
     print_table(f"Decode tok/s by batch size ({_tokens_text(r)} after {r['prompt_tokens'][0]}-"
                 f"{r['prompt_tokens'][1]}-token prompts, decode only); {r['threads']} thread(s), median of "
                 f"{r['repeats']} alternating runs" + (f"; --quantize {r['quantize']}" if r["quantize"] else ""),
-                ["batch", *names, "native / torch", "pagedchat / faster path", *(f"pagedchat / {n}" for n in peers)],
+                ["batch", *names, *ratios, *(f"pagedchat / {n}" for n in peers)],
                 rows, caption="pagedchat: the path measured faster per step size (its choices: paths_chosen)")
     for note in r["notes"]:
         print(note)
     if "machine" in r:
         print(f"machine: {r['machine']}")
+
+
+def has_both_paths(r: dict) -> bool:
+    """Whether the run timed the native step and the torch path on their own (neither was skipped)."""
+    return {"pagedchat native", "pagedchat torch"} <= set(r["decode_tok_per_s"])
 
 
 def _tokens_text(r: dict) -> str:

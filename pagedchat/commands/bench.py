@@ -218,13 +218,15 @@ def cpu_sweep(
                                                                    "Q4_0 of the same weights)."),
     repeats: int = typer.Option(3, "--repeats", help="Runs per system, taking turns; the median counts."),
     peer: Optional[str] = typer.Option(None, "--peer", help="llama.cpp adds its row (needs llama-cpp-python, gguf)."),
+    skip: str = typer.Option("", "--skip", help="Rows to leave out, comma-separated: native, torch, transformers "
+                                               "(the torch path and transformers are slow on a 1B model)."),
     threads: Optional[int] = THREADS,
     seed: int = SEED,
     as_json: bool = JSON,
 ) -> None:
     import tempfile
 
-    from pagedchat.bench.cpu_sweep import print_cpu_sweep_report, run_cpu_sweep
+    from pagedchat.bench.cpu_sweep import SKIPPABLE, print_cpu_sweep_report, run_cpu_sweep
     from pagedchat.bench.models import resolve_model
 
     if quantize not in (None, "int8", "int4"):
@@ -234,10 +236,13 @@ def cpu_sweep(
     if repeats < 1:
         raise UserError("--repeats must be >= 1")
     sizes = list(_lengths(batches, "--batches"))
+    skipped = tuple(name for name in skip.split(",") if name)
+    if unknown := [name for name in skipped if name not in SKIPPABLE]:
+        raise UserError(f"--skip takes {', '.join(SKIPPABLE)}; got {', '.join(unknown)}")
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
         path, name = resolve_model(model, random_arch, random_size, Path(tmp), 1024)
         result = run_cpu_sweep(path, _threads(threads, "cpu") or 1, sizes, repeats=repeats, quantize=quantize,
-                               peer=peer, seed=seed)
+                               peer=peer, seed=seed, skip=skipped)
     result["model"] = name
     _finish(result, as_json, print_cpu_sweep_report)
 
