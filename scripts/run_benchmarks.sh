@@ -38,6 +38,10 @@ if want throughput; then # batch-1 rows (with llama.cpp) and 16 prompts end to e
         --batches 1,4,16 --peer llama.cpp --threads 1 --json
     run "cpu-sweep-int4-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size small --quantize int4 \
         --batches 1,4,16 --peer llama.cpp --threads 1 --json
+    for q in int8 int4; do  # a 1B model: weights from memory, not the last-level cache
+        run "cpu-1b-$q-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size 1b --quantize $q \
+            --batches 1 --skip native,torch,transformers --peer llama.cpp --threads 1 --json
+    done
 fi
 if want chat; then
     run "chat-cpu-$ISA" -- pagedchat bench chat --random llama --random-size small --device cpu \
