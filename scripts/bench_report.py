@@ -286,7 +286,8 @@ def launches(r: dict) -> str:
 
 def host_step_ab(r: dict) -> str:
     return (f"Host CPU time of one engine step without a model (vocabulary {r['vocab']}, {r['max_tokens']} new "
-            f"tokens, median of {r['repeats']}), the sampler before ({r['before']}) and after ({r['after']}).\n\n"
+            f"tokens, median of {r['repeats']}), {r.get('parts', 'the sampler')} before ({r['before']}) and after "
+            f"({r['after']}).\n\n"
             + table(["batch", "workload", "before ms", "after ms", "after / before"],
                     [[x["batch"], x["workload"], num(x["before_ms"]), num(x["after_ms"]),
                       times(x["after_over_before"])] for x in r["rows"]]))

@@ -4,7 +4,7 @@
 # CPU's vector ISA (-avx512, -avx2, -other: the numbers of one do not hold on another), counts are not.
 # Then scripts/bench_report.py writes the page's tables from the files (no number in them is typed by hand).
 #
-#   scripts/run_benchmarks.sh                 # every group (about 30 minutes on a 2-core CPU)
+#   scripts/run_benchmarks.sh                 # every group (about 50 minutes on a 2-core CPU)
 #   ONLY=throughput scripts/run_benchmarks.sh # one group: memory | throughput | chat | serve | spec | accuracy | gpu
 #
 # Run it on a quiet machine: every comparison alternates the systems in one run, but a busy neighbour still
@@ -38,10 +38,11 @@ if want throughput; then # batch-1 rows (with llama.cpp) and 16 prompts end to e
         --batches 1,4,16 --peer llama.cpp --threads 1 --json
     run "cpu-sweep-int4-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size small --quantize int4 \
         --batches 1,4,16 --peer llama.cpp --threads 1 --json
-    for q in int8 int4; do  # a 1B model: weights from memory, not the last-level cache
-        run "cpu-1b-$q-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size 1b --quantize $q \
-            --batches 1 --skip native,torch,transformers --peer llama.cpp --threads 1 --json
-    done
+    # a 1B model: its weights come from memory, not the last-level cache
+    run "cpu-1b-int8-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size 1b --quantize int8 \
+        --batches 1 --skip native,torch,transformers --peer llama.cpp --threads 1 --json
+    run "cpu-1b-int4-$ISA" -- pagedchat bench cpu-sweep --random llama --random-size 1b --quantize int4 \
+        --batches 1 --skip native,torch,transformers --peer llama.cpp --threads 1 --json
 fi
 if want chat; then
     run "chat-cpu-$ISA" -- pagedchat bench chat --random llama --random-size small --device cpu \

@@ -41,7 +41,8 @@ def test_a_block_shows_its_file_or_says_it_is_pending(tmp_path):
 MEASURED_ONCE = {"chat-cpu.json": "an older engine, kept beside its re-measurement",
                  "serve-lognormal-timed-avx512.json": "a longer variant of the serve run, cited in prose",
                  "host-step-sampler-ab.json": "an A/B of the sampler against the revision before it "
-                                              "(scripts/host_step_ab.py)"}
+                                              "(scripts/host_step_ab.py)",
+                 "host-step-inputs-ab.json": "an A/B of the step's input building against the revision before it"}
 
 
 def test_run_benchmarks_writes_every_file_the_page_names():

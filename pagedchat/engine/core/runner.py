@@ -6,12 +6,14 @@ import gc
 import logging
 import time
 
+import numpy as np
 import torch
 
 from pagedchat.engine.core.config import EngineConfig
 from pagedchat.engine.core.logprobs import score_prompt_chunk
 from pagedchat.engine.core.scheduler import ScheduledBatch
 from pagedchat.engine.core.sequence import Sequence
+from pagedchat.engine.core.step_inputs import padded_tables, to_device, token_positions, token_slots
 from pagedchat.engine.kv.caches import KVCaches, kv_bytes_per_token, kv_cache_dtype
 from pagedchat.errors import SettingError
 from pagedchat.memory import available_ram
@@ -298,48 +300,49 @@ class ModelRunner:
             request.pooled = last
 
     def _prepare(self, batch: ScheduledBatch):
-        """Flatten the batch into token, position and slot vectors (built as Python lists: per-sequence
-        tensor ops would cost more than a small model's whole decode step)."""
+        """Flatten the batch into token, position and slot vectors: per sequence only list slicing, then
+        numpy over the whole batch (per-sequence tensor ops would cost more than a small model's whole decode
+        step)."""
         bs, dev = self.block_size, self.device
-        ids, positions, slots, seq_lens, cu, sample_rows, samplers = [], [], [], [], [0], [], []
-        max_blocks = max(len(seq.block_table) for seq, _ in batch.items)
-        tables = []
+        ids, starts, counts, sample_rows, samplers = [], [], [], [], []
+        row_end = 0
         for seq, n in batch.items:
-            start, end, table = seq.num_computed, seq.num_computed + n, seq.block_table
-            ids.extend(seq.token_ids[start:end])
-            ids.extend(seq.draft_ids)  # a sequence with drafts always has all of them scheduled
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            tables.append(table + [0] * (max_blocks - len(table)))
-            seq_lens.append(end)
-            cu.append(cu[-1] + n)
-            if end == seq.num_tokens + len(seq.draft_ids):  # one row per drafted position too
-                sample_rows.extend(range(cu[-1] - 1 - len(seq.draft_ids), cu[-1]))
+            ids += seq.token_ids[seq.num_computed:seq.num_computed + n]
+            ids += seq.draft_ids  # a sequence with drafts always has all of them scheduled
+            starts.append(seq.num_computed)
+            counts.append(n)
+            row_end += n
+            if seq.num_computed + n == seq.num_tokens + len(seq.draft_ids):  # one row per drafted position too
+                sample_rows.extend(range(row_end - 1 - len(seq.draft_ids), row_end))
                 samplers.append(seq)
+        start, count = np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64)
+        seq_lens, decode = start + count, row_end == len(counts)
+        if decode:  # one token a sequence: the common step, spared the general arithmetic (batch 1 on CPU)
+            rows, positions, cu = np.arange(len(counts)), start, np.arange(len(counts) + 1, dtype=np.int32)
+        else:
+            rows = np.repeat(np.arange(len(counts)), count)  # each token's sequence
+            positions = token_positions(start, count, rows)
+            cu = np.concatenate(([0], np.cumsum(count))).astype(np.int32)
+        tables = padded_tables([seq.block_table for seq, _ in batch.items])
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            is_decode=cu[-1] == len(batch.items),
-            max_seq_len=max(seq_lens))
+            slot_mapping=to_device(token_slots(tables, rows, positions, bs), dev),
+            block_tables=to_device(tables, dev),
+            seq_lens=to_device(seq_lens.astype(np.int32), dev),
+            cu_seqlens_q=to_device(cu, dev),
+            is_decode=decode,
+            max_seq_len=int(seq_lens.max()))
         if self._window_groups():
-            meta.window_metas = [self._group_meta(batch, g, meta) for g in range(self._window_groups())]
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-                meta, sample_rows, samplers)
+            meta.window_metas = [self._group_meta(batch, g, meta, rows, positions)
+                                 for g in range(self._window_groups())]
+        return (to_device(np.array(ids, dtype=np.int64), dev), to_device(positions, dev), meta, sample_rows, samplers)
 
-    def _group_meta(self, batch: ScheduledBatch, group: int, meta: AttentionMetadata) -> AttentionMetadata:
+    def _group_meta(self, batch: ScheduledBatch, group: int, meta: AttentionMetadata, rows: np.ndarray,
+                    positions: np.ndarray) -> AttentionMetadata:
         """The same step seen through window group `group`'s tables (released entries are -1: never read)."""
-        bs, dev = self.block_size, self.device
-        slots, tables = [], []
-        width = max(len(seq.window_tables[group]) for seq, _ in batch.items)
-        for seq, n in batch.items:
-            table = seq.window_tables[group]
-            slots.extend(table[p // bs] * bs + p % bs for p in range(seq.num_computed, seq.num_computed + n))
-            tables.append(table + [0] * (width - len(table)))
-        return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=dev),
-                                 torch.tensor(tables, dtype=torch.int32, device=dev), meta.seq_lens,
-                                 meta.cu_seqlens_q, meta.is_decode, meta.max_seq_len)
+        tables = padded_tables([seq.window_tables[group] for seq, _ in batch.items])
+        return AttentionMetadata(to_device(token_slots(tables, rows, positions, self.block_size), self.device),
+                                 to_device(tables, self.device), meta.seq_lens, meta.cu_seqlens_q, meta.is_decode,
+                                 meta.max_seq_len)
 
 
 def _bind(layer, caches: KVCaches, slot: int) -> None:
