@@ -259,7 +259,8 @@ def worker_pagedchat_gpu(spec: dict) -> dict:
 
     blocks = 4 * -(-(spec["ttft_tokens"] + spec["decode_prompt"] + spec["new_tokens"]) // 16)
     engine = Engine(EngineConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], num_blocks=blocks,
-                                 max_num_seqs=8, cuda_graphs=spec["graphs"]), show_progress=False)
+                                 max_num_seqs=8, cuda_graphs=spec["graphs"], quantize=spec.get("quantize")),
+                    show_progress=False)
     device = engine.device
     decode, ttft_prompts = _gpu_prompts(spec)
     params = SamplingParams(temperature=0, max_tokens=spec["new_tokens"], ignore_eos=True)
@@ -463,6 +464,7 @@ def run_batch1_bench(model_path: Path, threads: int, repeats: int = 3, new_token
 
 GPU_SYSTEMS = {"pagedchat": ("pagedchat-gpu", {"graphs": True, "floor": True}),
                "pagedchat, graphs off": ("pagedchat-gpu", {"graphs": False}),
+               "pagedchat int4": ("pagedchat-gpu", {"graphs": True, "quantize": "int4"}),  # --quantize int4
                "transformers generate": ("transformers-gpu", {})}
 
 
@@ -496,7 +498,9 @@ def run_batch1_gpu(model_path: Path, device: str = "cuda", dtype: str = "auto", 
                  "tok_per_s": ours["copy_gbps"] * 1e9 / ours["weight_bytes"]}
     return {"device": device, "dtype": dtype, "decode_prompt": decode_prompt, "new_tokens": new_tokens,
             "ttft_tokens": ttft_tokens, "ttft_runs": ttft_runs, "floor": floor,
-            "systems": {**{name: {**m, "of_floor": m["decode_tok_per_s"] / floor["tok_per_s"] if floor else None}
+            # (the floor is the model dtype's weight bytes: an int4 row reads fewer, so it has none)
+            "systems": {**{name: {**m, "of_floor": m["decode_tok_per_s"] / floor["tok_per_s"]
+                                  if floor and "quantize" not in GPU_SYSTEMS[name][1] else None}
                            for name, m in systems.items()}, **{name: {"error": e} for name, e in errors.items()}},
             "pagedchat_ratio": {name: {"decode": ours["decode_tok_per_s"] / m["decode_tok_per_s"],
                                        "ttft": m["ttft_s"] / ours["ttft_s"]} for name, m in systems.items()}}
