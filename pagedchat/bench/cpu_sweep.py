@@ -158,14 +158,14 @@ def print_cpu_sweep_report(r: dict) -> None:
 
     table, names = r["decode_tok_per_s"], list(r["decode_tok_per_s"])
     peers = [n for n in names if not n.startswith("pagedchat")]
-    rows = []
+    rows, both = [], has_both_paths(r)
     for b in r["batches"]:
         b = str(b)
         ours = table["pagedchat"][b]
-        both = [table["pagedchat native"][b] / table["pagedchat torch"][b],
-                ours / max(table["pagedchat native"][b], table["pagedchat torch"][b])] if has_both_paths(r) else []
-        rows.append([int(b), *(table[n][b] for n in names), *both, *(ours / table[n][b] for n in peers)])
-    ratios = ["native / torch", "pagedchat / faster path"] if has_both_paths(r) else []
+        paths = [table["pagedchat native"][b] / table["pagedchat torch"][b],
+                 ours / max(table["pagedchat native"][b], table["pagedchat torch"][b])] if both else []
+        rows.append([int(b), *(table[n][b] for n in names), *paths, *(ours / table[n][b] for n in peers)])
+    ratios = ["native / torch", "pagedchat / faster path"] if both else []
     print_table(f"Decode tok/s by batch size ({_tokens_text(r)} after {r['prompt_tokens'][0]}-"
                 f"{r['prompt_tokens'][1]}-token prompts, decode only); {r['threads']} thread(s), median of "
                 f"{r['repeats']} alternating runs" + (f"; --quantize {r['quantize']}" if r["quantize"] else ""),
