@@ -35,7 +35,9 @@ class ContentRunner:
         self.copy_blocks(batch.copies)
         samplers, rows = [], []
         for seq, n in batch.items:
-            tokens = seq.token_ids + seq.draft_ids  # drafts are always scheduled whole, after the last token
+            # drafts are always scheduled whole, after the last token; a PENDING token is read from the step
+            # still in flight (overlapped steps)
+            tokens = batch.token_ids(seq) + seq.draft_ids
             for table in [seq.block_table] + seq.window_tables:
                 for p in range(seq.num_computed, seq.num_computed + n):
                     block = table[p // self.block_size]
@@ -129,7 +131,7 @@ class QuantizedContentRunner(ContentRunner):
         result = super().run(batch)   # copies first (the pool's too), then records what it writes
         slots, written = [], []
         for seq, n in batch.items:
-            tokens = seq.token_ids + seq.draft_ids
+            tokens = batch.token_ids(seq) + seq.draft_ids
             for p in range(seq.num_computed, seq.num_computed + n):
                 slots.append(seq.block_table[p // self.block_size] * self.block_size + p % self.block_size)
                 written.append(tokens[p])

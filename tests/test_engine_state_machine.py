@@ -30,7 +30,7 @@ from fake_runner import fake_draft, fake_engine
 from pagedchat.engine import SamplingParams
 from pagedchat.engine.core import sequence as sequence_module
 from pagedchat.engine.kv.disk import block_files
-from pagedchat.engine.core.sequence import SeqStatus
+from pagedchat.engine.core.sequence import PENDING, SeqStatus
 from pagedchat.errors import RequestError
 
 EXAMPLES = int(os.environ.get("PAGEDCHAT_FUZZ_EXAMPLES", "100"))
@@ -313,6 +313,9 @@ class EngineMachine(RuleBasedStateMachine):
             assert self.KV_ALLOCATION == "reserved" or len(seq.block_table) == -(-seq.num_computed // pool.block_size), \
                 f"{seq} holds a stale tail"
             assert not seq.draft_ids, f"{seq} kept drafts between steps"
+            pending = seq.pending_row is not None
+            assert PENDING not in seq.token_ids[:-1] and (seq.token_ids[-1] == PENDING) == pending, seq
+            assert not pending or seq.status == SeqStatus.RUNNING and seq.num_computed == seq.num_tokens - 1, seq
         for h, block in pool.hash_to_block.items():  # a hashed block holds exactly its tokens' KV
             assert tuple(self.runner.content[block]) == pool.block_tokens[block], f"block {block} hashed wrongly"
         for seq in engine.scheduler.waiting:
@@ -425,6 +428,27 @@ def test_engine_state_machine_speculating():
     assert COUNTS["spec accepted"] > 0, COUNTS
     assert COUNTS["spec proposed"] > COUNTS["spec accepted"], f"no draft was ever rolled back: {COUNTS}"
     for path in ("engine preemptions", "preempted", "cow copies", "finish", "prefix hit tokens"):
+        assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
+
+
+class OverlapEngineMachine(EngineMachine):
+    """The same programs with overlapped steps: between two steps every decoding sequence ends in a PENDING
+    token (its id still "on the device"), which preemption, aborts, forks, failures, pins and restarts meet;
+    a sequence that the settled token ends has a row in the step already running, dropped."""
+    ENGINE = {"overlap": True}
+
+    def teardown(self):
+        COUNTS["overlapped steps"] += self.engine.overlapped_steps
+        COUNTS["discarded rows"] += self.engine.discarded_rows
+        super().teardown()
+
+
+def test_overlapped_engine_state_machine():
+    COUNTS.clear()
+    run_state_machine_as_test(OverlapEngineMachine, settings=settings(SETTINGS, max_examples=max(1, EXAMPLES // 2)))
+    print(f"\noverlapped state machine: {dict(COUNTS)}")
+    for path in ("overlapped steps", "discarded rows", "engine preemptions", "preempted", "failed alone",
+                 "cow copies", "finish", "prefix hit tokens", "beam searches"):
         assert COUNTS[path] > 0, f"no {path!r} in the whole run: {dict(COUNTS)}"
 
 

@@ -23,6 +23,7 @@ from contextlib import closing
 from pathlib import Path
 from typing import Iterable, Iterator
 
+import numpy as np
 import torch
 
 from pagedchat.engine.decoding import beam
@@ -30,6 +31,7 @@ from pagedchat.engine.kv.block_pool import BlockPool, PoolStats
 from pagedchat.engine.kv.caches import kv_dtype_name
 from pagedchat.engine.core.config import EngineConfig
 from pagedchat.engine.core.grammar import Grammars
+from pagedchat.engine.core.inflight import InFlight
 from pagedchat.engine.kv.tiers import KVTiers, build_tiers
 from pagedchat.engine.core.logprobs import TokenLogprob, reduce_rows
 from pagedchat.engine.core.output_processor import OutputProcessor
@@ -39,7 +41,8 @@ from pagedchat.engine.decoding.sampler import Sampler, variant_generator
 from pagedchat.engine.core.sampling_params import SamplingParams
 from pagedchat.engine.core.scheduler import ScheduledBatch, Scheduler
 from pagedchat.engine.core.seams import ModelSource, StepRunner
-from pagedchat.engine.core.sequence import Request, Sequence, SeqStatus
+from pagedchat.engine.core.sequence import PENDING, Request, Sequence, SeqStatus
+from pagedchat.engine.core.step_inputs import to_device
 from pagedchat.engine.core.window_groups import WindowTables
 from pagedchat.engine.decoding.speculative import NgramProposer, Speculator, step_shape
 from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError
@@ -80,6 +83,13 @@ class Engine:
                                    max_model_len=self.max_model_len, windows=windows, tiers=self.tiers)
         self.sampler = Sampler()
         self.output = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        # Overlapped steps (see step): the step whose tokens are still on the device, the token events that
+        # settling it outside a step made (returned by the next step), and what overlapping did so far.
+        self.overlap = config.overlaps(self.device.type)
+        self._inflight: InFlight | None = None
+        self._settled: list[TokenEvent] = []
+        self.overlapped_steps = 0
+        self.discarded_rows = 0   # rows computed for sequences that the previous step's tokens had ended
         self._speculators: dict[str, Speculator] = {}
         self.speculator: Speculator | None = None
         self.set_speculation(config.speculate)
@@ -100,6 +110,7 @@ class Engine:
     def set_speculation(self, method: str) -> None:
         """Switch speculative decoding between steps: off, ngram, or draft (needs the config's draft model).
         A draft model is loaded once and kept."""
+        self._settle_aside()  # drafts are proposed from the host's tokens
         if method == "off":
             self.speculator = None
             return
@@ -176,6 +187,7 @@ class Engine:
         cannot run afterwards; a second close does nothing."""
         if self.runner is None:
             return
+        self._inflight = None   # its tokens are not wanted: the requests end with the engine
         if self.tiers is not None:
             self.tiers.close(self.pool.cached_blocks())
         device = self.device
@@ -266,6 +278,7 @@ class Engine:
         every block; the first write into the shared partial block copies that one block."""
         handle = _sequence(source)
         assert handle.status in (SeqStatus.RUNNING, SeqStatus.PINNED), f"cannot fork a {handle.status.value} sequence"
+        self._settle_aside()  # the child copies the parent's tokens: all of them known
         params = (params or handle.request.params).with_(n=1, beam_width=0, prompt_logprobs=None, embed=False)
         request_id = request_id or f"req-{next(self._ids)}"
         request = Request(request_id, list(handle.token_ids), params, keep=keep, forked=True)
@@ -288,6 +301,8 @@ class Engine:
             if seq.status == SeqStatus.PINNED:
                 continue
             if not seq.is_finished:
+                if seq.pending_row is not None:
+                    seq.drop_pending()
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq, keep=False)
         request.forked = True
@@ -321,8 +336,13 @@ class Engine:
         wanted = None if ids is None else set(ids)
         ended = False
         try:
-            while self.has_unfinished() and (ids is None or not all(self.is_finished(r) for r in ids)):
-                events = self.step()
+            while True:
+                if self._settled:  # tokens an API call between steps brought to the host
+                    events, self._settled = self._settled, []
+                elif self.has_unfinished() and (ids is None or not all(self.is_finished(r) for r in ids)):
+                    events = self.step()
+                else:
+                    break
                 yield events if wanted is None else [e for e in events if e.request_id in wanted]
             ended = True
         finally:
@@ -342,15 +362,25 @@ class Engine:
         return [self.pop_output(i) for i in ids]
 
     def step(self) -> list[TokenEvent]:
-        """One scheduled batch through the model; its token events. Callers drive it through `steps`."""
+        """One scheduled batch through the model; its token events. Callers drive it through `steps`.
+
+        Overlapped (`self.overlap`: on a GPU unless turned off): a step's tokens stay on the device, where the
+        next step reads them as its input ids, so the host schedules and launches step N+1 before it waits for
+        step N's tokens, then appends them, detokenizes and checks stop rules while N+1 runs. Each sequence
+        meanwhile ends in a PENDING token (Sequence.pending_row); a step's events are those of the tokens it
+        settled, one step later. A sequence the settled token ended had a row in the running step: computed
+        and dropped. Steps that need their tokens on the host before the next (beams, grammars, logprobs, a
+        prompt's first n variants, speculation) are not overlapped."""
+        events, self._settled = self._settled, []
         if self.speculator is None:
-            return self._step(self.scheduler.schedule())
+            return events + self._step(self.scheduler.schedule())
+        events += self._settle()  # drafts are proposed from the host's tokens
         clock = self._step_clock
         started = clock()  # speculation learns what its steps cost (the batch-aware draft budget)
         self.speculator.propose(self.scheduler.running, closed=not self.scheduler.waiting)
         batch = self.scheduler.schedule()
         shape = step_shape(batch)
-        events = self._step(batch)
+        events += self._step(batch)
         if batch:
             self.speculator.observe_step(shape, clock() - started)
         return events
@@ -363,12 +393,21 @@ class Engine:
 
     def _step(self, batch: ScheduledBatch) -> list[TokenEvent]:
         events = [self._fail(seq) for seq in batch.failed]
+        prior = self._inflight
+        batch.prior_tokens = prior.tokens if prior is not None else None
         logits, samplers = self.runner.run(batch) if batch else (None, [])
+        ahead = self._sample_ahead(logits, samplers) if logits is not None and self._overlaps(samplers) else None
+        events += self._settle()  # the previous step's tokens, while this one runs on the device
         self.scheduler.commit(batch)
         # A failed beam ends its whole search, after the forward: its siblings may be in this very batch.
         events += [e for seq in batch.failed if seq.request.beam for e in self._end_beam_search(seq.request)]
+        if ahead is not None:
+            self._place_pending(ahead)
+            return events
         if logits is None:
             return events
+        if prior is not None:
+            logits, samplers = self._drop_ended(logits, samplers)
         drafted = logits
         logits, samplers, verified = self._split_drafted(logits, samplers)
         now = time.perf_counter()
@@ -390,6 +429,57 @@ class Engine:
             for (seq, _, _), (tokens, accepted) in zip(verified, self.speculator.verify(drafted, verified)):
                 events.append(self._append_tokens(seq, tokens, now, accepted))
         return events
+
+    # -- overlapped steps (see step) -------------------------------------------------------------------------
+    def _overlaps(self, samplers: list[Sequence]) -> bool:
+        """Whether this step's tokens may stay on the device: nothing in it needs them on the host first."""
+        return self.overlap and self.speculator is None and all(
+            seq.request.forked and seq.request.beam is None and seq.matcher is None and not seq.draft_ids
+            and seq.request.params.logprobs is None for seq in samplers)
+
+    def _sample_ahead(self, logits: torch.Tensor, samplers: list[Sequence]) -> InFlight:
+        tokens = self.sampler.pick_on_device(self.sampler.scores(logits, samplers), samplers)
+        self.overlapped_steps += 1
+        return InFlight.start(samplers, tokens)
+
+    def _place_pending(self, ahead: InFlight) -> None:
+        """Each sequence still running ends in a PENDING token until the next step settles it."""
+        for row, seq in enumerate(ahead.seqs):
+            if seq.is_finished:   # the token settled in this step ended it: its row is not wanted
+                self.discarded_rows += 1
+                continue
+            seq.token_ids.append(PENDING)
+            seq.pending_row = row
+            seq.ends_when_settled = self.output.ends_by_length(seq)   # the scheduler gives it no more rows
+        self._inflight = ahead
+
+    def _settle(self) -> list[TokenEvent]:
+        """Wait for the in-flight step's tokens and append them (text, stop rules, finishing): its events."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return []
+        tokens = inflight.wait()
+        now = time.perf_counter()
+        events = []
+        for seq in inflight.seqs:
+            if seq.pending_row is not None:  # else it ended meanwhile (aborted, failed)
+                token = tokens[seq.pending_row]
+                seq.drop_pending()
+                events.append(self._append_tokens(seq, [token], now))
+        return events
+
+    def _settle_aside(self) -> None:
+        """Settle now (an API call that needs every token on the host); the next step returns the events."""
+        self._settled += self._settle()
+
+    def _drop_ended(self, logits: torch.Tensor, samplers: list[Sequence]):
+        """The rows of sequences that settling the previous step ended, taken out before sampling."""
+        keep = [i for i, seq in enumerate(samplers) if not seq.is_finished]
+        if len(keep) == len(samplers):
+            return logits, samplers
+        assert not any(seq.draft_ids for seq in samplers), "speculative steps are never overlapped"
+        self.discarded_rows += len(samplers) - len(keep)
+        return logits[to_device(np.array(keep, dtype=np.int64), logits.device)], [samplers[i] for i in keep]
 
     def _token_logprobs(self, scores: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
         """Each chosen token's log-probability and top alternatives, for the rows that ask (else None)."""
@@ -548,6 +638,8 @@ class Engine:
         its sibling variants keep going, and may finish before they grow as large. They must not be failed
         here: they can be in this very step's batch, with blocks reserved."""
         request = seq.request
+        if seq.pending_row is not None:
+            seq.drop_pending()
         message = (f"request needs more KV memory than the whole pool ({self.pool.num_blocks} blocks of "
                    f"{self.pool.block_size} tokens); raise --kv-memory")
         seq.finish_reason, seq.error = "error", message
@@ -562,7 +654,7 @@ class Engine:
     def get_output(self, request_id: str) -> RequestOutput:
         r = self.requests[request_id]
         wants_logprobs = r.params.logprobs is not None
-        outputs = [CompletionOutput(s.index, s.output_ids, s.text, s.finish_reason,
+        outputs = [CompletionOutput(s.index, s.settled_output_ids, s.text, s.finish_reason,
                                     Branch(s) if s.status == SeqStatus.PINNED else None, s.error,
                                     score=s.score, logprobs=list(s.logprobs) if wants_logprobs else None)
                    for s in sorted(r.sequences, key=lambda s: s.index)]

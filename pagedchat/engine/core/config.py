@@ -11,6 +11,7 @@ from pagedchat.errors import SettingError, UserError
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 FUSED_ENV = "PAGEDCHAT_FUSED"
+OVERLAP_ENV = "PAGEDCHAT_OVERLAP"
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
 
 
@@ -26,6 +27,13 @@ def parse_size(text: str | int | None, allow_zero: bool = False) -> int | None:
     if n < 0 or n == 0 and not allow_zero:
         raise UserError(f"invalid size {text!r}: must be positive")
     return n
+
+
+def _switch(value: bool | None, env: str, default: bool) -> bool:
+    """A config switch: its value if set, else the environment variable's 0|1, else the default."""
+    if value is None and os.environ.get(env, "").strip() in ("0", "1"):
+        value = os.environ[env].strip() == "1"
+    return default if value is None else value
 
 
 def _parse_percent(text: str) -> float:
@@ -57,6 +65,8 @@ class EngineConfig:
     cuda_graphs: bool = True        # capture decode batches on CUDA
     fused_kernels: bool | None = None  # the fused layer kernels (norm+add, rotary+KV write, SiLU x up);
                                        # None = $PAGEDCHAT_FUSED (0|1) if set, else on for CUDA only
+    overlap: bool | None = None     # schedule and launch step N+1 before step N's tokens reach the host;
+                                    # None = $PAGEDCHAT_OVERLAP (0|1) if set, else on for CUDA only
     trust_remote_code: bool = False
     chat_template: str | None = None  # replaces the folder's template (models.toml chat_template), set at load
     speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/decoding/speculative.py)
@@ -103,12 +113,13 @@ class EngineConfig:
     def fused_backend(self, device_type: str) -> str | None:
         """The kernels backend of the fused layer kernels on this device ("auto": Triton on CUDA), or None
         for the unfused ops (the CPU default: the torch ops and the native step are faster there)."""
-        on = self.fused_kernels
-        if on is None and os.environ.get(FUSED_ENV, "").strip() in ("0", "1"):
-            on = os.environ[FUSED_ENV].strip() == "1"
-        if on is None:
-            on = device_type == "cuda"
-        return "auto" if on else None
+        return "auto" if _switch(self.fused_kernels, FUSED_ENV, device_type == "cuda") else None
+
+    def overlaps(self, device_type: str) -> bool:
+        """Whether steps overlap (Engine.step): on a GPU the host's work for the next step then runs while the
+        device computes this one; on a CPU the host is the device, so there is nothing to overlap (tests turn
+        it on there to check it)."""
+        return _switch(self.overlap, OVERLAP_ENV, device_type == "cuda")
 
     def check_kv_dtype(self, device_type: str | None) -> None:
         """Refuse a KV dtype the device cannot run (device_type None: not known yet, the name alone)."""

@@ -30,9 +30,11 @@ class OutputProcessor:
             return "stop"             # the grammar is complete: nothing more may follow
         if self._cut_at_stop_string(seq, shown):
             return "stop"
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return "length" if self.ends_by_length(seq) else None
+
+    def ends_by_length(self, seq: Sequence) -> bool:
+        """Whether seq's tokens reach its max_tokens or the model's context (known before the last token is)."""
+        return seq.num_output_tokens >= seq.request.params.max_tokens or seq.num_tokens >= self.max_model_len
 
     def take_visible(self, seq: Sequence, finished: bool) -> str:
         """The text not streamed yet, less what could still turn out to be the start of a stop string."""

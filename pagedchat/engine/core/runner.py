@@ -242,7 +242,7 @@ class ModelRunner:
         if len(sample_rows) == hidden.shape[0]:  # every row, in order (a decode step): no copy, no gather
             logits = self.model.compute_logits(hidden)
         else:
-            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            logits = self.model.compute_logits(hidden[to_device(np.array(sample_rows), self.device)])
         if native:
             self.native.torch_took(ids.shape[0], len(batch.items), time.perf_counter() - start)
         return logits, samplers
@@ -305,8 +305,12 @@ class ModelRunner:
         step)."""
         bs, dev = self.block_size, self.device
         ids, starts, counts, sample_rows, samplers = [], [], [], [], []
+        pending_at, pending_rows = [], []  # PENDING tokens: where in `ids`, and their rows in prior_tokens
         row_end = 0
         for seq, n in batch.items:
+            if seq.pending_row is not None and seq.num_computed + n >= seq.num_tokens:
+                pending_at.append(len(ids) + seq.num_tokens - 1 - seq.num_computed)
+                pending_rows.append(seq.pending_row)
             ids += seq.token_ids[seq.num_computed:seq.num_computed + n]
             ids += seq.draft_ids  # a sequence with drafts always has all of them scheduled
             starts.append(seq.num_computed)
@@ -334,7 +338,10 @@ class ModelRunner:
         if self._window_groups():
             meta.window_metas = [self._group_meta(batch, g, meta, rows, positions)
                                  for g in range(self._window_groups())]
-        return (to_device(np.array(ids, dtype=np.int64), dev), to_device(positions, dev), meta, sample_rows, samplers)
+        tokens = to_device(np.array(ids, dtype=np.int64), dev)
+        if pending_at:  # the previous step's tokens, still on the device
+            tokens[to_device(np.array(pending_at), dev)] = batch.prior_tokens[to_device(np.array(pending_rows), dev)]
+        return tokens, to_device(positions, dev), meta, sample_rows, samplers
 
     def _group_meta(self, batch: ScheduledBatch, group: int, meta: AttentionMetadata, rows: np.ndarray,
                     positions: np.ndarray) -> AttentionMetadata:

@@ -30,9 +30,18 @@ class ScheduledBatch:
     copies: list[tuple[int, int]] = field(default_factory=list)       # copy-on-write (src, dst) blocks
     failed: list[Sequence] = field(default_factory=list)              # cannot fit even alone
     preempted: list[Sequence] = field(default_factory=list)
+    # The tokens of the step still in flight (overlapped steps): a sequence's PENDING last token is
+    # prior_tokens[seq.pending_row], read by the runner on the device.
+    prior_tokens: torch.Tensor | None = None
 
     def __bool__(self) -> bool:
         return bool(self.items)
+
+    def token_ids(self, seq: Sequence) -> list[int]:
+        """seq's tokens with a PENDING last token read from prior_tokens (a host copy: model-free runners)."""
+        if seq.pending_row is None:
+            return seq.token_ids
+        return seq.token_ids[:-1] + [int(self.prior_tokens[seq.pending_row])]
 
 
 class Scheduler:
@@ -83,7 +92,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            if _waits_for_siblings(seq):  # nothing to compute this step
+            if _waits_for_siblings(seq) or seq.ends_when_settled:  # nothing to compute this step
                 i += 1
                 continue
             n = self._fit_drafts(seq, budget)
@@ -144,8 +153,12 @@ class Scheduler:
         return batch
 
     def commit(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: advance computed counts and index blocks that became full."""
+        """After the forward pass: advance computed counts and index blocks that became full. A sequence the
+        previous step's tokens finished while this one ran (overlapped steps) is skipped once released; a
+        pinned one keeps its last token's KV, computed by this step (its follow-up turn reuses it)."""
         for seq, n in batch.items:
+            if seq.status == SeqStatus.FINISHED:
+                continue
             seq.num_computed += n - len(seq.draft_ids)  # drafted slots count once verified (Engine)
             self._register_full_blocks(seq)
             if self.windows:  # drafts are not counted yet: what they would free goes at a later commit
@@ -318,7 +331,10 @@ class Scheduler:
         bs, hashes = self.block_size, set()
         for seq, n in items:
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            for i in range(len(seq.block_hashes), (seq.num_computed + n - len(seq.draft_ids)) // bs):
+            end = (seq.num_computed + n - len(seq.draft_ids)) // bs
+            if seq.pending_row is not None:  # a block with a PENDING token has no hash yet (none shares it)
+                end = min(end, (seq.num_tokens - 1) // bs)
+            for i in range(len(seq.block_hashes), end):
                 parent = chain_hash(parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
                 hashes.add(parent)
         return hashes

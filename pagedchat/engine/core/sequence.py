@@ -22,6 +22,10 @@ class SeqStatus(enum.Enum):
 
 _seq_ids = itertools.count()
 
+# The last token of a sequence whose sampling step is still running on the device (overlapped steps,
+# Engine.step): its id is known only once that step's tokens reach the host.
+PENDING = -1
+
 
 class Sequence:
     def __init__(self, request: "Request", index: int, token_ids: list[int]):
@@ -51,6 +55,8 @@ class Sequence:
         self.matcher = None                 # llguidance matcher of the request's grammar, at this output
         self.draft_ids: list[int] = []      # proposed tokens verified in this step (speculative decoding)
         self.spec = None                    # speculative.SpecState: acceptance history, n-gram index
+        self.pending_row: int | None = None  # last token is PENDING: its row in the in-flight step's tokens
+        self.ends_when_settled = False      # ... and that token ends it by length, whatever it is
 
     @property
     def num_tokens(self) -> int:
@@ -63,6 +69,18 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def drop_pending(self) -> None:
+        """Forget a PENDING last token (its sequence ended another way before the token reached the host)."""
+        assert self.pending_row is not None and self.token_ids[-1] == PENDING
+        self.token_ids.pop()
+        self.pending_row, self.ends_when_settled = None, False
+
+    @property
+    def settled_output_ids(self) -> list[int]:
+        """The output tokens known on the host (a PENDING last token left out)."""
+        end = self.num_tokens - (self.pending_row is not None)
+        return self.token_ids[self.num_prompt_tokens:end]
 
     @property
     def reuses_prefix(self) -> bool:

@@ -34,6 +34,9 @@ def token_slots(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, blo
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """The array as a tensor on `device` (shares its memory on the CPU)."""
+    """The array as a tensor on `device` (shares its memory on the CPU). On a GPU through pinned memory and
+    without waiting: a plain copy from pageable memory waits for everything queued on the device, which
+    would end an overlapped step's overlap (the caching host allocator keeps the pinned buffer until the
+    copy is done)."""
     tensor = torch.from_numpy(array)
-    return tensor if device.type == "cpu" else tensor.to(device)
+    return tensor if device.type == "cpu" else tensor.pin_memory().to(device, non_blocking=True)

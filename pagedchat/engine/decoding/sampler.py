@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pagedchat.engine.core.sequence import Sequence
+from pagedchat.engine.core.step_inputs import to_device
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads variant seeds apart
 
@@ -104,13 +106,12 @@ class SamplingState:
         slots = [self._slot(seq) for seq in seqs]
         random_rows = [i for i, seq in enumerate(seqs) if not seq.request.params.greedy]
         params = [seqs[i].request.params for i in random_rows]
-        index = torch.tensor(slots, device=self.device)
-        random = None if len(random_rows) == len(seqs) else torch.tensor(random_rows, dtype=torch.long,
-                                                                            device=self.device)
+        index = _on(self.device, slots)
+        random = None if len(random_rows) == len(seqs) else _on(self.device, random_rows)
         settings = self.settings[index if random is None else index[random]]
         seeded = [j for j, i in enumerate(random_rows) if seqs[i].generator is not None]
-        unseeded = None if not seeded else torch.tensor(
-            [j for j, i in enumerate(random_rows) if seqs[i].generator is None], dtype=torch.long, device=self.device)
+        unseeded = None if not seeded else _on(self.device, [j for j, i in enumerate(random_rows)
+                                                             if seqs[i].generator is None])
         return StepRows(key, index, random, settings[:, 0], settings[:, 1].long(), settings[:, 2], settings[:, 3],
                         any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
                         any(seq.request.params.repetition_penalty != 1.0 for seq in seqs), seeded,
@@ -125,8 +126,8 @@ class SamplingState:
         slot = self.owner.index(None)
         self.owner[slot], self.slot_of[seq.seq_id], self.known[slot] = seq, slot, 0
         p = seq.request.params
-        self.settings[slot] = torch.tensor([p.temperature if not p.greedy else 1.0, p.top_k, p.top_p, p.min_p,
-                                            p.repetition_penalty])
+        self.settings[slot] = to_device(np.array([p.temperature if not p.greedy else 1.0, p.top_k, p.top_p,
+                                                  p.min_p, p.repetition_penalty], dtype=np.float32), self.device)
         if p.repetition_penalty != 1.0:
             if self.seen is None:
                 self.seen = torch.zeros((len(self.owner), self.vocab), dtype=torch.bool, device=self.device)
@@ -166,7 +167,7 @@ class SamplingState:
                 tokens += new
                 self.known[slot] = seq.num_tokens
         if tokens:
-            self.seen[torch.tensor(slots, device=self.device), torch.tensor(tokens, device=self.device)] = True
+            self.seen[_on(self.device, slots), _on(self.device, tokens)] = True
 
     def note_sampled(self, seqs: list[Sequence], rows: StepRows, tokens: torch.Tensor) -> None:
         """Each row's sampled token goes into its sequence's token set on the device (the engine appends it)."""
@@ -201,6 +202,10 @@ class Sampler:
 
     def pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Greedy rows take the argmax; the others sample after temperature, top-k, top-p and min-p."""
+        return self.pick_on_device(logits, seqs).tolist()   # the step's one copy to the host
+
+    def pick_on_device(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """`pick`, its tokens left on the device (an overlapped step copies them without waiting)."""
         rows = self._rows(logits, seqs)
         if rows.random is None:                    # every row samples
             tokens = self._sample(logits, rows)
@@ -209,7 +214,7 @@ class Sampler:
             if rows.random.numel():
                 tokens[rows.random] = self._sample(logits[rows.random], rows)
         self.state.note_sampled(seqs, rows, tokens)
-        return tokens.tolist()                     # the step's one copy to the host
+        return tokens
 
     @staticmethod
     def _sample(logits: torch.Tensor, rows: StepRows) -> torch.Tensor:
@@ -241,6 +246,11 @@ def exponential_race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     unseeded = None if not seeded else torch.tensor([i for i, s in enumerate(seqs) if s.generator is None],
                                                     dtype=torch.long, device=probs.device)
     return _race(probs, [seqs[i].generator for i in seeded], seeded, unseeded)
+
+
+def _on(device: torch.device, values: list[int]) -> torch.Tensor:
+    """An int64 index tensor on the device, copied without waiting for the device (step_inputs.to_device)."""
+    return to_device(np.array(values, dtype=np.int64), device)
 
 
 def _race(probs: torch.Tensor, generators: list[torch.Generator], seeded: list[int],
