@@ -58,9 +58,10 @@ def test_the_gpu_rows_run_on_any_device(tiny_llama, tmp_path):
                               ttft_tokens=32, ttft_runs=1)
     figures = gpu.read_batch1(json.dumps(r, indent=2), tmp_path)
     assert figures["decode_tok_per_s"] == r["systems"]["pagedchat"]["decode_tok_per_s"] and not figures["errors"]
-    assert set(r["systems"]) == {"pagedchat", "pagedchat, graphs off", "pagedchat int4", "transformers generate"}
+    assert set(r["systems"]) == {"pagedchat", "pagedchat, graphs off", "pagedchat, not overlapped", "pagedchat int4",
+                                 "transformers generate"}
     for m in r["systems"].values():
         assert m["decode_tok_per_s"] > 0 and m["ttft_s"] > 0 and m["of_floor"] is None
     assert r["floor"] is None and r["pagedchat_ratio"]["pagedchat"] == {"decode": 1.0, "ttft": 1.0}
     assert figures["int4_decode_tok_per_s"] == r["systems"]["pagedchat int4"]["decode_tok_per_s"]
-    assert figures["int4_over_model_dtype"] > 0
+    assert figures["int4_over_model_dtype"] > 0 and figures["overlap_speedup"] > 0

@@ -29,7 +29,7 @@ def test_a_failing_peer_is_a_row_with_its_error(monkeypatch, capsys):
 
     monkeypatch.setattr(throughput, "_run_worker", fake_worker)
     runs, errors = throughput._run_all(throughput.SYSTEMS, {}, repeats=2, timeout=1)
-    assert set(runs) == {"pagedchat", "hf-generate"} and len(runs["hf-generate"]) == 2
+    assert set(runs) == {"pagedchat", "pagedchat-sync", "hf-generate"} and len(runs["hf-generate"]) == 2
     assert "page_size" in errors["hf-cb"]
 
 

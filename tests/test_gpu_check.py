@@ -50,6 +50,7 @@ def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp
     assert report["steps"]["tests"]["figures"]["collected"] > 10          # the GPU tests import without a GPU
     assert report["steps"]["batch1"]["figures"]["of_floor"] == 0.5
     assert report["steps"]["batch1"]["figures"]["int4_over_model_dtype"] == 1.5
+    assert report["steps"]["batch1"]["figures"]["overlap_speedup"] == 1.25
     assert {"git_revision", "date", "machine_info", "budget_s", "wall_s"} <= set(report)
     for name in ("torch", "triton", "transformers", "cpu_isa"):
         assert name in report["machine_info"]

@@ -259,7 +259,8 @@ def worker_pagedchat_gpu(spec: dict) -> dict:
 
     blocks = 4 * -(-(spec["ttft_tokens"] + spec["decode_prompt"] + spec["new_tokens"]) // 16)
     engine = Engine(EngineConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"], num_blocks=blocks,
-                                 max_num_seqs=8, cuda_graphs=spec["graphs"], quantize=spec.get("quantize")),
+                                 max_num_seqs=8, cuda_graphs=spec["graphs"], quantize=spec.get("quantize"),
+                                 overlap=spec.get("overlap")),
                     show_progress=False)
     device = engine.device
     decode, ttft_prompts = _gpu_prompts(spec)
@@ -464,6 +465,7 @@ def run_batch1_bench(model_path: Path, threads: int, repeats: int = 3, new_token
 
 GPU_SYSTEMS = {"pagedchat": ("pagedchat-gpu", {"graphs": True, "floor": True}),
                "pagedchat, graphs off": ("pagedchat-gpu", {"graphs": False}),
+               "pagedchat, not overlapped": ("pagedchat-gpu", {"graphs": True, "overlap": False}),
                "pagedchat int4": ("pagedchat-gpu", {"graphs": True, "quantize": "int4"}),  # --quantize int4
                "transformers generate": ("transformers-gpu", {})}
 

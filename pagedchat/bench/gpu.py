@@ -10,9 +10,10 @@ each in its own process under its own time limit, all within one overall budget 
               of every family, memory given back by close(), the kernel tests
   model       a random model of Llama-3.2-1B's shape (16 layers, hidden 2048, 32/8 heads of 64, vocab 128,256,
               tied, bf16), built on the GPU once for the two steps below
-  batch1      batch-1 decode (CUDA graphs on and off, and `--quantize int4`) and time to first token of a
-              2,048-token prompt, against transformers `generate` and the memory-bandwidth floor
-  throughput  `bench throughput`: 256 requests x 128 new tokens, pagedchat against both transformers peers
+  batch1      batch-1 decode (CUDA graphs on and off, steps not overlapped, `--quantize int4`) and time to first
+              token of a 2,048-token prompt, against transformers `generate` and the memory-bandwidth floor
+  throughput  `bench throughput`: 256 requests x 128 new tokens, pagedchat (steps overlapped and not) against both
+              transformers peers
   kernels     `bench kernels` (headline and sweeps), once per attention implementation when the kernels offer
               PAGEDCHAT_ATTN=v1|v2
 
@@ -46,7 +47,7 @@ BUDGET_S = 420          # the whole run, steps included: 7 minutes (under 8 on o
 MIN_STEP_S = 20         # a step that would get less is skipped, not started
 GPU_TESTS = ("tests/test_gpu_engine.py", "tests/test_kernels.py")
 MODEL_SHAPE = dict(arch="llama", size="1b", max_positions=4096)
-THROUGHPUT_ARGS = ("--requests", "256", "--max-tokens", "128")
+THROUGHPUT_ARGS = ("--requests", "256", "--max-tokens", "128", "--systems", "pagedchat,pagedchat-sync,hf-generate,hf-cb")
 
 
 @dataclass
@@ -97,18 +98,25 @@ def read_tests(stdout: str, outdir: Path) -> dict:
 def read_batch1(stdout: str, outdir: Path) -> dict:
     r = _json_out(stdout, outdir)
     systems = r["systems"]
-    ours, off, int4, hf = (systems.get(k, {}) for k in ("pagedchat", "pagedchat, graphs off", "pagedchat int4",
-                                                          "transformers generate"))
+    ours, off, sync, int4, hf = (systems.get(k, {}) for k in ("pagedchat", "pagedchat, graphs off",
+                                                                "pagedchat, not overlapped", "pagedchat int4",
+                                                                "transformers generate"))
     floor = r.get("floor") or {}
-    both = ours.get("decode_tok_per_s") and int4.get("decode_tok_per_s")
     return {"decode_tok_per_s": ours.get("decode_tok_per_s"), "decode_graphs_off_tok_per_s": off.get("decode_tok_per_s"),
+            "decode_not_overlapped_tok_per_s": sync.get("decode_tok_per_s"),
+            "overlap_speedup": _over(ours, sync, "decode_tok_per_s"),
             "int4_decode_tok_per_s": int4.get("decode_tok_per_s"),
-            "int4_over_model_dtype": int4["decode_tok_per_s"] / ours["decode_tok_per_s"] if both else None,
+            "int4_over_model_dtype": _over(int4, ours, "decode_tok_per_s"),
             "hf_decode_tok_per_s": hf.get("decode_tok_per_s"), "floor_tok_per_s": floor.get("tok_per_s"),
             "of_floor": ours.get("of_floor"), "copy_gbps": floor.get("copy_gbps"),
             "weight_bytes": floor.get("weight_bytes"), "ttft_ms": _ms(ours.get("ttft_s")),
             "hf_ttft_ms": _ms(hf.get("ttft_s")), "errors": {k: v["error"] for k, v in systems.items() if "error" in v},
             "result": r}
+
+
+def _over(a: dict, b: dict, key: str) -> float | None:
+    """a[key] / b[key], or None when either row has no such figure (it failed)."""
+    return a[key] / b[key] if a.get(key) and b.get(key) else None
 
 
 def read_throughput(stdout: str, outdir: Path) -> dict:
@@ -153,10 +161,12 @@ def _canned(figures: dict) -> list[str]:
 
 _DRY_BATCH1 = {"systems": {"pagedchat": {"decode_tok_per_s": 1.0, "ttft_s": 0.1, "of_floor": 0.5},
                            "pagedchat, graphs off": {"decode_tok_per_s": 0.5, "ttft_s": 0.1, "of_floor": 0.25},
+                           "pagedchat, not overlapped": {"decode_tok_per_s": 0.8, "ttft_s": 0.1, "of_floor": 0.4},
                            "pagedchat int4": {"decode_tok_per_s": 1.5, "ttft_s": 0.1, "of_floor": None},
                            "transformers generate": {"error": "dry run"}},
                "floor": {"tok_per_s": 2.0, "copy_gbps": 1.0, "weight_bytes": 5}}
 _DRY_THROUGHPUT = {"systems": {"pagedchat": {"output_tok_per_s": 2.0, "ttft_p50_s": 0.1},
+                               "pagedchat-sync": {"output_tok_per_s": 1.5, "ttft_p50_s": 0.1},
                                "hf-generate": {"output_tok_per_s": 1.0, "ttft_p50_s": 0.2},
                                "hf-cb": {"error": "dry run"}},
                    "speedup": {"hf-generate": 2.0}, "greedy_agreement": {"hf-generate": {"identical": 1, "of": 1}}}
@@ -174,7 +184,7 @@ def plan(outdir: Path, model_dir: Path) -> list[Step]:
              dry_argv=tests + ["--collect-only"]),
         Step("model", 45, [py, "-m", "pagedchat.bench.gpu", "--build-model", str(model_dir)], read_nothing,
              dry_argv=_canned({})),
-        Step("batch1", 110, cli + ["batch1", "-m", str(model_dir), "--device", "cuda", "--json"], read_batch1,
+        Step("batch1", 130, cli + ["batch1", "-m", str(model_dir), "--device", "cuda", "--json"], read_batch1,
              dry_argv=_canned(_DRY_BATCH1)),
         Step("throughput", 130, cli + ["throughput", "-m", str(model_dir), "--device", "cuda", *THROUGHPUT_ARGS,
                                        "--timeout", "40", "--json"], read_throughput,
@@ -283,7 +293,8 @@ def summary_rows(report: dict) -> list[list]:
                      if "passed" in f else f"{f.get('collected', 0)} collected")
         elif name == "batch1":
             words = (f"decode {_n(f.get('decode_tok_per_s'))} tok/s ({_pct(f.get('of_floor'))} of the "
-                     f"{_n(f.get('floor_tok_per_s'))} floor), graphs off {_n(f.get('decode_graphs_off_tok_per_s'))}, "
+                     f"{_n(f.get('floor_tok_per_s'))} floor), not overlapped "
+                     f"{_n(f.get('decode_not_overlapped_tok_per_s'))}, graphs off {_n(f.get('decode_graphs_off_tok_per_s'))}, "
                      f"int4 {_n(f.get('int4_decode_tok_per_s'))} ({_n(f.get('int4_over_model_dtype'), 2)}x), "
                      f"transformers {_n(f.get('hf_decode_tok_per_s'))}; TTFT {_n(f.get('ttft_ms'), 1)} ms vs "
                      f"{_n(f.get('hf_ttft_ms'), 1)} ms")

@@ -27,9 +27,9 @@ from pathlib import Path
 from pagedchat.bench.common import lognormal_lengths, percentile, quiet_transformers, ratio
 from pagedchat.errors import UserError
 
-SYSTEMS = ("pagedchat", "hf-generate", "hf-cb")
-LABELS = {"pagedchat": "pagedchat engine", "hf-generate": "transformers generate (padded batch)",
-          "hf-cb": "transformers continuous batching"}
+SYSTEMS = ("pagedchat", "pagedchat-sync", "hf-generate", "hf-cb")
+LABELS = {"pagedchat": "pagedchat engine", "pagedchat-sync": "pagedchat, steps not overlapped",
+          "hf-generate": "transformers generate (padded batch)", "hf-cb": "transformers continuous batching"}
 FIRST_ID = 3   # random prompt ids skip the special tokens a config may use (pad 0, bos 1, eos 2)
 
 
@@ -65,7 +65,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def worker_pagedchat(spec: dict, memory) -> dict:
+def worker_pagedchat(spec: dict, memory, overlap: bool | None = None) -> dict:
+    """overlap=False: every step waits for its tokens before the next is scheduled (the engine's default on a
+    GPU overlaps them; on a CPU it does not, so there the two rows run the same engine)."""
     from pagedchat.engine import Engine, EngineConfig, SamplingParams
     from pagedchat.model.loader import load_model
 
@@ -74,7 +76,7 @@ def worker_pagedchat(spec: dict, memory) -> dict:
     config = EngineConfig(model=spec["model"], device=spec["device"], dtype=spec["dtype"],
                           block_size=spec["block_size"], num_blocks=spec["num_blocks"],
                           max_num_batched_tokens=spec["max_batched_tokens"],
-                          max_num_seqs=max(256, len(spec["prompts"])))
+                          max_num_seqs=max(256, len(spec["prompts"])), overlap=overlap)
     engine = Engine(config, loaded=loaded, show_progress=False)
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
     engine.generate(spec["warmup"], params.with_(max_tokens=4))
@@ -315,7 +317,8 @@ def _finished(result) -> bool:
     return getattr(result.status, "value", result.status) in ("finished", "failed")   # transformers 4.54 .. 4.57
 
 
-WORKERS = {"pagedchat": worker_pagedchat, "hf-generate": worker_hf_generate, "hf-cb": worker_hf_cb}
+WORKERS = {"pagedchat": worker_pagedchat, "pagedchat-sync": lambda spec, memory: worker_pagedchat(spec, memory, False),
+           "hf-generate": worker_hf_generate, "hf-cb": worker_hf_cb}
 
 
 def worker_main(system: str, spec_path: str, out_path: str) -> None:
@@ -409,7 +412,7 @@ def _run_all(systems: tuple[str, ...], spec: dict, repeats: int, timeout: float)
 def run_throughput_bench(model_path: Path, model_name: str, requests: int = 16, max_tokens: int = 64,
                          mean_prompt: float = 128, max_prompt: int = 512, block_size: int = 16,
                          max_batched_tokens: int = 2048, device: str = "cpu", dtype: str = "auto",
-                         systems: tuple[str, ...] = SYSTEMS, repeats: int = 1, seed: int = 0,
+                         systems: tuple[str, ...] = ("pagedchat", "hf-generate", "hf-cb"), repeats: int = 1, seed: int = 0,
                          threads: int | None = None, timeout: float = 1800, profile: bool = False) -> dict:
     from transformers import AutoConfig
 
@@ -463,7 +466,7 @@ def plot_throughput(r: dict, path: str) -> None:
     from pagedchat.bench.common import save_figure
 
     names = [n for n in r["systems"] if "error" not in r["systems"][n]]
-    short = {"pagedchat": "pagedchat", "hf-generate": "HF generate\n(padded)", "hf-cb": "HF continuous\nbatching"}
+    short = {"pagedchat": "pagedchat", "pagedchat-sync": "pagedchat\n(not overlapped)", "hf-generate": "HF generate\n(padded)", "hf-cb": "HF continuous\nbatching"}
     labels = [short[n] for n in names]
     colors = ["tab:blue" if n == "pagedchat" else "tab:red" if n == "hf-generate" else "tab:orange" for n in names]
     panels = [("output tokens/s", "output_tok_per_s", 1), ("TTFT p50 (ms)", "ttft_p50_s", 1000),

@@ -125,7 +125,9 @@ def throughput(
     block_size: int = typer.Option(16, "--block-size", help="KV block size, for both paged systems."),
     max_batched_tokens: int = typer.Option(2048, "--max-batched-tokens", help="Per-step token budget, for "
                                                                               "both continuous batchers."),
-    systems: str = typer.Option("pagedchat,hf-generate,hf-cb", "--systems", help="Comma-separated subset."),
+    systems: str = typer.Option("pagedchat,hf-generate,hf-cb", "--systems",
+                                help="Comma-separated, from pagedchat, pagedchat-sync (steps not overlapped: "
+                                     "its GPU default is to overlap them), hf-generate, hf-cb."),
     repeats: int = typer.Option(1, "--repeats", help="Runs per system, taking turns; the median counts."),
     profile: bool = typer.Option(False, "--profile", help="Also profile pagedchat's steps (where time goes)."),
     timeout: float = typer.Option(1800, "--timeout", help="Seconds each system's run may take; a peer that takes "
