@@ -293,6 +293,15 @@ def host_step_ab(r: dict) -> str:
                       times(x["after_over_before"])] for x in r["rows"]]))
 
 
+def host_step(r: dict) -> str:
+    return (f"Host CPU time of one engine step without a model (vocabulary {r['vocab']}, {r['new_tokens']} new "
+            f"tokens, {r['threads']} thread, median of the decode steps, then of the repeats), with the steps not "
+            f"overlapped and overlapped.\n\n"
+            + table(["batch", "workload", "steps", "ms per step", "us per sequence"],
+                    [[x["batch"], x["workload"], x.get("steps", "not overlapped"), num(x["step_ms"]),
+                      num(x["per_sequence_us"])] for x in r["rows"]]))
+
+
 def resources(r: dict) -> str:
     return (f"Compiled for {r['target']} by Triton {r['triton']} on a CPU machine (`ptxas -v`).\n\n"
             + table(["kernel", "dtype", "configuration", "registers", "spill stores", "spill loads", "shared bytes"],
@@ -318,7 +327,7 @@ def figures(r: dict) -> str:
 RENDERERS = {"memory": memory, "block-size": block_size, "shared-prefix": shared_prefix, "window": window,
              "beams": beams, "batch1": batch1, "throughput": throughput, "chat-turns": chat_turns,
              "chat-forks": chat_forks, "serve": serve, "spec": spec, "accuracy": accuracy, "cpu-sweep": cpu_sweep,
-             "kv-dtype": kv_dtype, "launches": launches, "host-step-ab": host_step_ab, "resources": resources, "figures": figures}
+             "kv-dtype": kv_dtype, "launches": launches, "host-step-ab": host_step_ab, "host-step": host_step, "resources": resources, "figures": figures}
 
 
 # -- the page ------------------------------------------------------------------------------------------------------

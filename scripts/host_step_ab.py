@@ -1,7 +1,8 @@
 """A/B of the host work of one engine step (bench/host_step.py) between a git revision (A) and the working tree
 (B), in one process, taking turns, 1 torch thread: the parts that differ between the two are swapped in, the
-sampler (engine/decoding/sampler.py) and the step's input building (ModelRunner._prepare and _group_meta in
-engine/core/runner.py). Prints medians and B/A ratios, and writes the JSON given by --out.
+sampler (engine/decoding/sampler.py), the step's input building (ModelRunner._prepare and _group_meta in
+engine/core/runner.py) and the scheduler (engine/core/scheduler.py). Steps not overlapped (both sides can run
+them). Prints medians and B/A ratios, and writes the JSON given by --out.
 
     python scripts/host_step_ab.py REV [--repeats 5] [--max-tokens 64] [--out FILE.json]
 """
@@ -9,6 +10,7 @@ engine/core/runner.py). Prints medians and B/A ratios, and writes the JSON given
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import json
 import statistics
@@ -38,17 +40,18 @@ def host_parts(rev: str | None) -> dict:
 
     if rev is None:
         return {"Sampler": engine_module.Sampler, "_prepare": ModelRunner._prepare,
-                "_group_meta": ModelRunner._group_meta}
+                "_group_meta": ModelRunner._group_meta, "Scheduler": engine_module.Scheduler}
     runner = module_at(rev, "pagedchat/engine/core/runner.py", "runner_at_rev").ModelRunner
     return {"Sampler": module_at(rev, "pagedchat/engine/decoding/sampler.py", "sampler_at_rev").Sampler,
-            "_prepare": runner._prepare, "_group_meta": runner._group_meta}
+            "_prepare": runner._prepare, "_group_meta": runner._group_meta,
+            "Scheduler": module_at(rev, "pagedchat/engine/core/scheduler.py", "scheduler_at_rev").Scheduler}
 
 
 def use(parts: dict) -> None:
     from pagedchat.bench import host_step
     from pagedchat.engine import engine as engine_module
 
-    engine_module.Sampler = parts["Sampler"]
+    engine_module.Sampler, engine_module.Scheduler = parts["Sampler"], parts["Scheduler"]
     host_step.HostRunner._prepare, host_step.HostRunner._group_meta = parts["_prepare"], parts["_group_meta"]
 
 
@@ -79,10 +82,11 @@ def main() -> None:
                   flush=True)
     use(sides["B"])
     result = {"bench": "host_step_ab", "before": args.rev, "after": "working tree", "repeats": args.repeats,
-              "parts": "the sampler and the step's input building",
+              "parts": "the sampler, the step's input building and the scheduler",
               "max_tokens": args.max_tokens, "vocab": host_step.VOCAB, "threads": 1,
               "clock": "thread CPU time per decode step, median over steps, then over repeats",
-              "command": "python " + " ".join(sys.argv), "machine": machine_description(), "rows": rows}
+              "command": "python " + " ".join(sys.argv), "date": datetime.date.today().isoformat(),
+              "machine": machine_description(), "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

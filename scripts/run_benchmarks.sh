@@ -70,6 +70,7 @@ if want gpu; then         # what a CPU can measure of the CUDA path: launches pe
     run launches-fused-cpu -- pagedchat bench launches --device cpu --json
     run launches-fused-cpu-qwen3 -- pagedchat bench launches --device cpu --random qwen3 --json
     run fused-kernels-sm90 -- python scripts/fused_kernels_sm90.py --json
+    run "host-step-$ISA" -- pagedchat bench host-step --repeats 5 --json   # what a GPU waits for between steps
 fi
 if want gpu && python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
     if [[ -x scripts/gpu_check.sh ]]; then

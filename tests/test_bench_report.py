@@ -42,7 +42,9 @@ MEASURED_ONCE = {"chat-cpu.json": "an older engine, kept beside its re-measureme
                  "serve-lognormal-timed-avx512.json": "a longer variant of the serve run, cited in prose",
                  "host-step-sampler-ab.json": "an A/B of the sampler against the revision before it "
                                               "(scripts/host_step_ab.py)",
-                 "host-step-inputs-ab.json": "an A/B of the step's input building against the revision before it"}
+                 "host-step-inputs-ab.json": "an A/B of the step's input building against the revision before it",
+                 "host-step-scheduler-ab.json": "an A/B of the scheduler's decode fast path against the revision "
+                                                "before it"}
 
 
 def test_run_benchmarks_writes_every_file_the_page_names():

@@ -433,9 +433,8 @@ class Engine:
     # -- overlapped steps (see step) -------------------------------------------------------------------------
     def _overlaps(self, samplers: list[Sequence]) -> bool:
         """Whether this step's tokens may stay on the device: nothing in it needs them on the host first."""
-        return self.overlap and self.speculator is None and all(
-            seq.request.forked and seq.request.beam is None and seq.matcher is None and not seq.draft_ids
-            and seq.request.params.logprobs is None for seq in samplers)
+        return self.overlap and self.speculator is None and all(   # (drafts exist only with a speculator)
+            seq.request.forked and not seq.request.samples_on_host for seq in samplers)
 
     def _sample_ahead(self, logits: torch.Tensor, samplers: list[Sequence]) -> InFlight:
         tokens = self.sampler.pick_on_device(self.sampler.scores(logits, samplers), samplers)

@@ -308,16 +308,19 @@ class ModelRunner:
         pending_at, pending_rows = [], []  # PENDING tokens: where in `ids`, and their rows in prior_tokens
         row_end = 0
         for seq, n in batch.items:
-            if seq.pending_row is not None and seq.num_computed + n >= seq.num_tokens:
-                pending_at.append(len(ids) + seq.num_tokens - 1 - seq.num_computed)
+            computed, tokens, drafts = seq.num_computed, seq.token_ids, seq.draft_ids
+            end = computed + n
+            if seq.pending_row is not None and end >= len(tokens):
+                pending_at.append(len(ids) + len(tokens) - 1 - computed)
                 pending_rows.append(seq.pending_row)
-            ids += seq.token_ids[seq.num_computed:seq.num_computed + n]
-            ids += seq.draft_ids  # a sequence with drafts always has all of them scheduled
-            starts.append(seq.num_computed)
+            ids += tokens[computed:end]
+            if drafts:  # a sequence with drafts always has all of them scheduled
+                ids += drafts
+            starts.append(computed)
             counts.append(n)
             row_end += n
-            if seq.num_computed + n == seq.num_tokens + len(seq.draft_ids):  # one row per drafted position too
-                sample_rows.extend(range(row_end - 1 - len(seq.draft_ids), row_end))
+            if end == len(tokens) + len(drafts):  # one row per drafted position too
+                sample_rows.extend(range(row_end - 1 - len(drafts), row_end))
                 samplers.append(seq)
         start, count = np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64)
         seq_lens, decode = start + count, row_end == len(counts)

@@ -96,8 +96,10 @@ class Scheduler:
                 i += 1
                 continue
             n = self._fit_drafts(seq, budget)
-            if self._make_room(seq, n, reserve=0):
-                self._reserve(seq, n, batch.copies)
+            in_place = self._decodes_in_place(seq, n)
+            if in_place or self._make_room(seq, n, reserve=0):
+                if not in_place:
+                    self._reserve(seq, n, batch.copies)
                 batch.items.append((seq, n))
                 budget -= n
                 i += 1
@@ -118,7 +120,7 @@ class Scheduler:
             seq.draft_ids = []                 # not scheduled this step: nothing to verify
         if batch.preempted:
             return batch
-        pending = self._blocks_computed_by(batch.items)
+        pending = self._blocks_computed_by(batch.items) if self.waiting else set()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not seq.block_table:
@@ -160,7 +162,8 @@ class Scheduler:
             if seq.status == SeqStatus.FINISHED:
                 continue
             seq.num_computed += n - len(seq.draft_ids)  # drafted slots count once verified (Engine)
-            self._register_full_blocks(seq)
+            if seq.num_computed // self.block_size > len(seq.block_hashes):   # a block became full
+                self._register_full_blocks(seq)
             if self.windows:  # drafts are not counted yet: what they would free goes at a later commit
                 self.windows.release_behind(seq)
 
@@ -230,6 +233,16 @@ class Scheduler:
         written = seq.block_table[seq.num_computed // self.block_size:end]
         shared = sum(1 for b in written if self.pool.ref_count[b] > 1)
         return new + shared + (self.windows.cost(seq, n) if self.windows else 0)
+
+    def _decodes_in_place(self, seq: Sequence, n: int) -> bool:
+        """A one-token step whose slot is in a block the sequence already owns alone and that indexes nothing:
+        no block to take or copy (15 of 16 decode steps at block size 16), so _make_room and _reserve are
+        skipped (they would do nothing: the step's host time at 256 sequences is what a GPU waits for)."""
+        c = seq.num_computed
+        if n != 1 or not c % self.block_size or self.windows:
+            return False
+        block = seq.block_table[c // self.block_size]   # the block of token c - 1, computed
+        return self.pool.ref_count[block] == 1 and self.pool.block_hash[block] is None
 
     def _make_room(self, seq: Sequence, n: int, reserve: int) -> bool:
         needed = self._blocks_needed(seq, n) + reserve

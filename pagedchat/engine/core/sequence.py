@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -123,6 +124,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @functools.cached_property
+    def samples_on_host(self) -> bool:
+        """Its steps need their tokens on the host before the next step (never overlapped): beams, grammars,
+        logprobs."""
+        p = self.params
+        return p.beam_width > 0 or p.grammar is not None or p.logprobs is not None
 
     @property
     def finished(self) -> bool:
