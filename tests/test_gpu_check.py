@@ -51,6 +51,8 @@ def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp
     assert report["steps"]["batch1"]["figures"]["of_floor"] == 0.5
     assert report["steps"]["batch1"]["figures"]["int4_over_model_dtype"] == 1.5
     assert report["steps"]["batch1"]["figures"]["overlap_speedup"] == 1.25
+    assert report["steps"]["spec"]["figures"]["speedup_batch1"]["edit"] == 2.0
+    assert report["steps"]["spec"]["figures"]["greedy_identical"] is True
     assert {"git_revision", "date", "machine_info", "budget_s", "wall_s"} <= set(report)
     for name in ("torch", "triton", "transformers", "cpu_isa"):
         assert name in report["machine_info"]

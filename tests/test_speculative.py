@@ -620,3 +620,7 @@ def test_bench_spec_smoke():
         assert row["off_tok_s"] > 0 and row["spec_tok_s"] > 0 and 0 <= row["acceptance_rate"] <= 1
         assert row["off_cpu_tok_s"] > 0 and row["cpu_speedup"] == row["spec_cpu_tok_s"] / row["off_cpu_tok_s"]
         assert row["greedy_identical"] is (None if row["workload"] == "regen" else True), row
+    from pagedchat.bench import gpu
+
+    figures = gpu.read_spec(result.stdout, None)   # what the GPU check reads of the same run
+    assert set(figures["speedup_batch1"]) == {"edit", "regen", "plain"} and figures["greedy_identical"] is True

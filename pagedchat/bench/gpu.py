@@ -16,6 +16,8 @@ each in its own process under its own time limit, all within one overall budget 
               transformers peers
   kernels     `bench kernels` (headline and sweeps), once per attention implementation when the kernels offer
               PAGEDCHAT_ATTN=v1|v2
+  spec        `bench spec`: `--speculate ngram` against plain decode on the same model (edit-like, regenerate and
+              plain workloads at batch 1 and 8), greedy tokens compared
 
 and writes OUTDIR/gpu-check.json (date, git revision, GPU, driver, versions, each step's status, time, error
 and figures; rewritten after every step, so a run cut short keeps what it measured) and prints a short table.
@@ -128,6 +130,14 @@ def read_throughput(stdout: str, outdir: Path) -> dict:
             "errors": {s: m["error"] for s, m in r["systems"].items() if "error" in m}, "result": r}
 
 
+def read_spec(stdout: str, outdir: Path) -> dict:
+    r = _json_out(stdout, outdir)
+    at_1 = {row["workload"]: row for row in r["rows"] if row["batch"] == 1}
+    return {"speedup_batch1": {w: row["speedup"] for w, row in at_1.items()},
+            "acceptance_batch1": {w: row["acceptance_rate"] for w, row in at_1.items()},
+            "greedy_identical": all(row["greedy_identical"] is not False for row in r["rows"]), "rows": r["rows"]}
+
+
 def read_kernels(stdout: str, outdir: Path) -> dict:
     r = _json_out(stdout, outdir)
     rows = r.get("measurements", r) if isinstance(r, dict) else r
@@ -170,6 +180,9 @@ _DRY_THROUGHPUT = {"systems": {"pagedchat": {"output_tok_per_s": 2.0, "ttft_p50_
                                "hf-generate": {"output_tok_per_s": 1.0, "ttft_p50_s": 0.2},
                                "hf-cb": {"error": "dry run"}},
                    "speedup": {"hf-generate": 2.0}, "greedy_agreement": {"hf-generate": {"identical": 1, "of": 1}}}
+_DRY_SPEC = {"rows": [{"workload": w, "batch": b, "speedup": 2.0, "acceptance_rate": 0.5,
+                      "greedy_identical": None if w == "regen" else True}
+                     for b in (1, 8) for w in ("edit", "regen", "plain")]}
 _DRY_KERNELS = {"measurements": [{"kernel": "device_copy", "gbps": 1.0},
                                  {"kernel": "decode", "sweep": "batch", "batch": 64, "copy_frac": 0.5, "vs_sdpa": 1.0}]}
 
@@ -195,6 +208,9 @@ def plan(outdir: Path, model_dir: Path) -> list[Step]:
         steps.append(Step(f"kernels {variant}".strip(), 80 / len(variants), cli + ["kernels", "--iters", "10", "--json"],
                           read_kernels,
                           dry_argv=_canned(_DRY_KERNELS), env={"PAGEDCHAT_ATTN": variant} if variant else {}))
+    steps.append(Step("spec", 90, cli + ["spec", "-m", str(model_dir), "--device", "cuda", "--batch", "8",
+                                         "--max-tokens", "96", "--repeats", "1", "--json"], read_spec,
+                      dry_argv=_canned(_DRY_SPEC)))
     return steps
 
 
@@ -248,7 +264,8 @@ def chosen(steps: list[Step], only: set[str] | None, model_dir: Path) -> list[St
     if unknown:
         raise SystemExit(f"gpu_check: unknown step(s) {', '.join(sorted(unknown))}; the steps are "
                          f"{', '.join(dict.fromkeys(s.name.split()[0] for s in steps))}")
-    wanted = only | {"install"} | ({"model"} if only & {"batch1", "throughput"} and not model_dir.exists() else set())
+    wanted = only | {"install"} | ({"model"} if only & {"batch1", "throughput", "spec"} and not model_dir.exists()
+                                   else set())
     return [s for s in steps if s.name.split()[0] in wanted]
 
 
@@ -303,6 +320,9 @@ def summary_rows(report: dict) -> list[list]:
                               for k, v in f.get("tok_per_s", {}).items())
             agree = [f"{k} {a['identical']}/{a['of']}" for k, a in f.get("greedy_agreement", {}).items()]
             words += f"; identical to pagedchat: {', '.join(agree)}" if agree else ""
+        elif name == "spec":
+            words = ("ngram at batch 1: " + ", ".join(f"{w} {_n(x, 2)}x" for w, x in f.get("speedup_batch1", {}).items())
+                     + f" (plain not overlapped); greedy tokens identical: {f.get('greedy_identical')}" if f else "")
         elif name.startswith("kernels"):
             words = (f"decode headline {_pct(f.get('headline_decode_copy_frac'))} of copy "
                      f"({_n(f.get('copy_gbps'))} GB/s), {_n(f.get('headline_decode_vs_sdpa'), 2)}x SDPA")
@@ -365,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("outdir", nargs="?", default=f"gpu-check-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     parser.add_argument("--dry-run", action="store_true", help="the plan, the JSON and the table, on CPU")
     parser.add_argument("--budget", type=float, default=BUDGET_S, help="seconds for the whole run")
-    parser.add_argument("--only", help="comma-separated steps to run (a rerun): tests, batch1, throughput, kernels")
+    parser.add_argument("--only", help="comma-separated steps to run (a rerun): tests, batch1, throughput, kernels, "
+                                       "spec")
     parser.add_argument("--build-model", metavar="DIR", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.build_model:

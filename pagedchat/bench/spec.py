@@ -30,9 +30,14 @@ from pagedchat.engine import Engine, EngineConfig, SamplingParams
 WORKLOADS = ("edit", "regen", "plain")
 
 
-def _engine(path, speculate: str, num_draft_tokens: int, device: str, draft_model: str | None) -> Engine:
+def _engine(path, speculate: str, num_draft_tokens: int, device: str, draft_model: str | None,
+            max_num_seqs: int) -> Engine:
+    """Steps not overlapped on either side: in lockstep on one GPU, an overlapped step still computing when its
+    call returns would be timed inside the other side's next step. (A GPU's plain decode overlaps its steps:
+    the GPU check's batch-1 rows give that factor.)"""
     config = EngineConfig(model=str(path), device=device, kv_memory="1GiB", speculate=speculate,
-                          num_draft_tokens=num_draft_tokens, draft_model=draft_model if speculate == "draft" else None)
+                          num_draft_tokens=num_draft_tokens, draft_model=draft_model if speculate == "draft" else None,
+                          max_num_seqs=max_num_seqs, overlap=False)
     return Engine(config, show_progress=False)
 
 
@@ -86,6 +91,8 @@ class _Side:
     def step(self) -> None:
         wall, cpu = time.perf_counter(), time.process_time()
         self.engine.step()
+        if self.engine.device.type == "cuda":   # its work done before the other side's starts
+            torch.cuda.synchronize(self.engine.device)
         if self.decoding:
             self.wall += time.perf_counter() - wall
             self.cpu += time.process_time() - cpu
@@ -102,8 +109,8 @@ def run_spec_bench(path, name: str, method: str = "ngram", batches: tuple[int, .
                    threads: int | None = None, seed: int = 0, draft_model: str | None = None) -> dict:
     if threads:
         torch.set_num_threads(threads)
-    plain_engine = _engine(path, "off", num_draft_tokens, device, None)
-    spec_engine = _engine(path, method, num_draft_tokens, device, draft_model)
+    plain_engine = _engine(path, "off", num_draft_tokens, device, None, max(batches))
+    spec_engine = _engine(path, method, num_draft_tokens, device, draft_model, max(batches))
     rows = []
     for batch in batches:
         workloads = _prompts(plain_engine, batch, seed + batch, max_tokens * 2)
