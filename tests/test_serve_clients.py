@@ -81,7 +81,10 @@ def test_chat_logprobs_and_top_logprobs(server, client):
     assert "".join(c.token for c in content) == out.choices[0].message.content
     streamed = [c for chunk in client.chat.completions.create(stream=True, **kw) for choice in chunk.choices
                 if choice.logprobs is not None for c in choice.logprobs.content]
-    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    # the same tokens; the log-probabilities to float rounding: the second request reuses the first one's cached
+    # prompt blocks (attention over cached KV sums in another order than one whole prefill)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     plain = client.chat.completions.create(**{**kw, "logprobs": False, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
 
