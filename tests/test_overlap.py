@@ -138,6 +138,7 @@ def test_api_calls_between_steps_see_settled_tokens():
 
 
 def test_overlap_switch(monkeypatch):
+    monkeypatch.delenv("PAGEDCHAT_OVERLAP", raising=False)
     config = EngineConfig(model="x")
     assert config.overlaps("cuda") and not config.overlaps("cpu")
     monkeypatch.setenv("PAGEDCHAT_OVERLAP", "0")

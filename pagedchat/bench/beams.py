@@ -72,7 +72,8 @@ def _pseudo_engine(prompt_len: int, new_tokens: int, block_size: int, width: int
     max_len = prompt_len + new_tokens + 1
     num_blocks = beam_pool_blocks(prompt_len, new_tokens, block_size, width)
     config = EngineConfig(model="(simulated)", device="cpu", block_size=block_size, num_blocks=num_blocks,
-                          max_num_seqs=256, max_num_batched_tokens=max_len, max_model_len=max_len)
+                          max_num_seqs=256, max_num_batched_tokens=max_len, max_model_len=max_len,
+                          overlap=False)   # one token a step: the blocks are followed token by token
     return Engine(config, loaded=NoModel(max_model_len=max_len, vocab_size=VOCAB),
                   runner=PseudoModelRunner(num_blocks))
 

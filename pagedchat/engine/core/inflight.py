@@ -27,7 +27,7 @@ class InFlight:
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(tokens.device))   # the copy's stream (cuda:N included)
         return cls(seqs, tokens, host, copied)
 
     def wait(self) -> list[int]:
