@@ -45,7 +45,7 @@ def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "gpu-check.json").read_text())
-    assert list(report["steps"])[:5] == ["install", "tests", "model", "batch1", "throughput"]
+    assert list(report["steps"])[:6] == ["install", "tests", "model", "batch1", "throughput", "spec"]
     assert all(s["status"] == "ok" for s in report["steps"].values()), report["steps"]
     assert report["steps"]["tests"]["figures"]["collected"] > 10          # the GPU tests import without a GPU
     assert report["steps"]["batch1"]["figures"]["of_floor"] == 0.5

@@ -14,10 +14,10 @@ each in its own process under its own time limit, all within one overall budget 
               token of a 2,048-token prompt, against transformers `generate` and the memory-bandwidth floor
   throughput  `bench throughput`: 256 requests x 128 new tokens, pagedchat (steps overlapped and not) against both
               transformers peers
-  kernels     `bench kernels` (headline and sweeps), once per attention implementation when the kernels offer
-              PAGEDCHAT_ATTN=v1|v2
   spec        `bench spec`: `--speculate ngram` against plain decode on the same model (edit-like, regenerate and
               plain workloads at batch 1 and 8), greedy tokens compared
+  kernels     `bench kernels` (headline and sweeps), once per attention implementation when the kernels offer
+              PAGEDCHAT_ATTN=v1|v2
 
 and writes OUTDIR/gpu-check.json (date, git revision, GPU, driver, versions, each step's status, time, error
 and figures; rewritten after every step, so a run cut short keeps what it measured) and prints a short table.
@@ -203,14 +203,14 @@ def plan(outdir: Path, model_dir: Path) -> list[Step]:
                                        "--timeout", "40", "--json"], read_throughput,
              dry_argv=_canned(_DRY_THROUGHPUT)),
     ]
+    steps.append(Step("spec", 90, cli + ["spec", "-m", str(model_dir), "--device", "cuda", "--batch", "8",
+                                         "--max-tokens", "96", "--repeats", "1", "--json"], read_spec,
+                      dry_argv=_canned(_DRY_SPEC)))
     variants = attention_variants()
     for variant in variants:
         steps.append(Step(f"kernels {variant}".strip(), 80 / len(variants), cli + ["kernels", "--iters", "10", "--json"],
                           read_kernels,
                           dry_argv=_canned(_DRY_KERNELS), env={"PAGEDCHAT_ATTN": variant} if variant else {}))
-    steps.append(Step("spec", 90, cli + ["spec", "-m", str(model_dir), "--device", "cuda", "--batch", "8",
-                                         "--max-tokens", "96", "--repeats", "1", "--json"], read_spec,
-                      dry_argv=_canned(_DRY_SPEC)))
     return steps
 
 
