@@ -169,3 +169,28 @@ def test_the_host_waits_for_a_step_only_after_launching_the_next(monkeypatch):
     monkeypatch.setattr(type(engine.sampler), "pick", lambda *a: pytest.fail("tokens read back by the sampler"))
     engine.generate([[2, 3, 4], [5, 6]], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert calls == ["run"] + ["run", "wait"] * 4 + ["wait"]
+
+
+@pytest.mark.parametrize("prompt_len", [17, 22])
+def test_a_pin_ended_by_a_settled_token_is_what_it_would_be_without_overlap(prompt_len):
+    """A reply that ends on EOS while the next step already computes that token: pinned with it not computed
+    and no block for its slot, as without the overlap. (Counting it computed made a later fork step back one
+    token, past what a sliding-window group had kept: found by a windowed state machine with overlap.) The
+    replies end on token 19 (a window block released at 20) and on token 24 (a new block's first slot)."""
+    engine, runner = fake_engine(num_blocks=26, window_groups=(2, 12), overlap=True)
+    prompt = [2 + i % 17 for i in range(prompt_len)]
+    runner.table[:] = -100.0
+    runner.table[prompt[-1], 20] = runner.table[20, 21] = runner.table[21, EOS] = 100.0   # 20, 21, EOS
+    runner.table[[5, 22], 22] = 100.0   # the other requests: 5 -> 22 -> 22 ...
+    rid = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=10), keep=True)
+    engine.generate([[5]], SamplingParams(temperature=0, max_tokens=9))   # steps beside it
+    out = engine.get_output(rid).outputs[0]
+    assert out.token_ids == [20, 21, EOS] and engine.discarded_rows == 1
+    pin = engine.requests[rid].sequences[0]
+    assert pin.num_computed == pin.num_tokens - 1 and len(pin.block_table) == -(-pin.num_computed // 8)
+    child = engine.fork(pin, SamplingParams(temperature=0, max_tokens=3), keep=True)
+    runner.check_sequence(engine.requests[child].sequences[0])
+    engine.generate([[5]], SamplingParams(temperature=0, max_tokens=2))
+    engine.check_invariants()
+    for seq in [pin, engine.requests[child].sequences[0]]:
+        runner.check_sequence(seq)

@@ -155,11 +155,12 @@ class Scheduler:
         return batch
 
     def commit(self, batch: ScheduledBatch) -> None:
-        """After the forward pass: advance computed counts and index blocks that became full. A sequence the
-        previous step's tokens finished while this one ran (overlapped steps) is skipped once released; a
-        pinned one keeps its last token's KV, computed by this step (its follow-up turn reuses it)."""
+        """After the forward pass: advance computed counts and index blocks that became full. A sequence that
+        the previous step's tokens finished while this one ran (overlapped steps) is skipped: finished or pinned
+        as it would be without the overlap, its last token not computed (the KV this step wrote for it lies
+        past its computed tokens, in a block it no longer holds or never reads)."""
         for seq, n in batch.items:
-            if seq.status == SeqStatus.FINISHED:
+            if seq.is_finished:
                 continue
             seq.num_computed += n - len(seq.draft_ids)  # drafted slots count once verified (Engine)
             if seq.num_computed // self.block_size > len(seq.block_hashes):   # a block became full
@@ -371,8 +372,9 @@ class Scheduler:
                 self.windows.register(seq, i, parent, tokens)
 
     def _drop_unused_tail(self, seq: Sequence) -> None:
-        """A pin keeps the blocks of its tokens only; reserved blocks a reply ended before using go back."""
-        self._free_tail(seq, self.blocks_for(seq.num_tokens))
+        """A pin keeps the blocks of its computed tokens only: reserved blocks a reply ended before using go
+        back, and so does the block an overlapped step took for the last token's slot."""
+        self._free_tail(seq, self.blocks_for(seq.num_computed))
 
     def _free_tail(self, seq: Sequence, keep: int) -> None:
         for block in reversed(seq.block_table[keep:]):
