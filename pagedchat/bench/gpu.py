@@ -49,7 +49,8 @@ BUDGET_S = 420          # the whole run, steps included: 7 minutes (under 8 on o
 MIN_STEP_S = 20         # a step that would get less is skipped, not started
 GPU_TESTS = ("tests/test_gpu_engine.py", "tests/test_kernels.py")
 MODEL_SHAPE = dict(arch="llama", size="1b", max_positions=4096)
-THROUGHPUT_ARGS = ("--requests", "256", "--max-tokens", "128", "--systems", "pagedchat,pagedchat-sync,hf-generate,hf-cb")
+THROUGHPUT_ARGS = ("--requests", "256", "--max-tokens", "128",
+                   "--systems", "pagedchat,pagedchat-sync,hf-generate,hf-cb")
 
 
 @dataclass
@@ -311,7 +312,8 @@ def summary_rows(report: dict) -> list[list]:
         elif name == "batch1":
             words = (f"decode {_n(f.get('decode_tok_per_s'))} tok/s ({_pct(f.get('of_floor'))} of the "
                      f"{_n(f.get('floor_tok_per_s'))} floor), not overlapped "
-                     f"{_n(f.get('decode_not_overlapped_tok_per_s'))}, graphs off {_n(f.get('decode_graphs_off_tok_per_s'))}, "
+                     f"{_n(f.get('decode_not_overlapped_tok_per_s'))}, "
+                     f"graphs off {_n(f.get('decode_graphs_off_tok_per_s'))}, "
                      f"int4 {_n(f.get('int4_decode_tok_per_s'))} ({_n(f.get('int4_over_model_dtype'), 2)}x), "
                      f"transformers {_n(f.get('hf_decode_tok_per_s'))}; TTFT {_n(f.get('ttft_ms'), 1)} ms vs "
                      f"{_n(f.get('hf_ttft_ms'), 1)} ms")
@@ -321,8 +323,9 @@ def summary_rows(report: dict) -> list[list]:
             agree = [f"{k} {a['identical']}/{a['of']}" for k, a in f.get("greedy_agreement", {}).items()]
             words += f"; identical to pagedchat: {', '.join(agree)}" if agree else ""
         elif name == "spec":
-            words = ("ngram at batch 1: " + ", ".join(f"{w} {_n(x, 2)}x" for w, x in f.get("speedup_batch1", {}).items())
-                     + f" (plain not overlapped); greedy tokens identical: {f.get('greedy_identical')}" if f else "")
+            speedups = ", ".join(f"{w} {_n(x, 2)}x" for w, x in f.get("speedup_batch1", {}).items())
+            words = (f"ngram at batch 1: {speedups} (plain not overlapped); greedy tokens identical: "
+                     f"{f.get('greedy_identical')}" if f else "")
         elif name.startswith("kernels"):
             words = (f"decode headline {_pct(f.get('headline_decode_copy_frac'))} of copy "
                      f"({_n(f.get('copy_gbps'))} GB/s), {_n(f.get('headline_decode_vs_sdpa'), 2)}x SDPA")

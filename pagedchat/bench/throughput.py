@@ -412,7 +412,8 @@ def _run_all(systems: tuple[str, ...], spec: dict, repeats: int, timeout: float)
 def run_throughput_bench(model_path: Path, model_name: str, requests: int = 16, max_tokens: int = 64,
                          mean_prompt: float = 128, max_prompt: int = 512, block_size: int = 16,
                          max_batched_tokens: int = 2048, device: str = "cpu", dtype: str = "auto",
-                         systems: tuple[str, ...] = ("pagedchat", "hf-generate", "hf-cb"), repeats: int = 1, seed: int = 0,
+                         systems: tuple[str, ...] = ("pagedchat", "hf-generate", "hf-cb"), repeats: int = 1,
+                         seed: int = 0,
                          threads: int | None = None, timeout: float = 1800, profile: bool = False) -> dict:
     from transformers import AutoConfig
 
@@ -466,7 +467,8 @@ def plot_throughput(r: dict, path: str) -> None:
     from pagedchat.bench.common import save_figure
 
     names = [n for n in r["systems"] if "error" not in r["systems"][n]]
-    short = {"pagedchat": "pagedchat", "pagedchat-sync": "pagedchat\n(not overlapped)", "hf-generate": "HF generate\n(padded)", "hf-cb": "HF continuous\nbatching"}
+    short = {"pagedchat": "pagedchat", "pagedchat-sync": "pagedchat\n(not overlapped)",
+             "hf-generate": "HF generate\n(padded)", "hf-cb": "HF continuous\nbatching"}
     labels = [short[n] for n in names]
     colors = ["tab:blue" if n == "pagedchat" else "tab:red" if n == "hf-generate" else "tab:orange" for n in names]
     panels = [("output tokens/s", "output_tok_per_s", 1), ("TTFT p50 (ms)", "ttft_p50_s", 1000),

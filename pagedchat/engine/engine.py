@@ -23,7 +23,6 @@ from contextlib import closing
 from pathlib import Path
 from typing import Iterable, Iterator
 
-import numpy as np
 import torch
 
 from pagedchat.engine.decoding import beam
@@ -42,7 +41,7 @@ from pagedchat.engine.core.sampling_params import SamplingParams
 from pagedchat.engine.core.scheduler import ScheduledBatch, Scheduler
 from pagedchat.engine.core.seams import ModelSource, StepRunner
 from pagedchat.engine.core.sequence import PENDING, Request, Sequence, SeqStatus
-from pagedchat.engine.core.step_inputs import to_device
+from pagedchat.engine.core.step_inputs import index_tensor
 from pagedchat.engine.core.window_groups import WindowTables
 from pagedchat.engine.decoding.speculative import NgramProposer, Speculator, step_shape
 from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError
@@ -478,7 +477,7 @@ class Engine:
             return logits, samplers
         assert not any(seq.draft_ids for seq in samplers), "speculative steps are never overlapped"
         self.discarded_rows += len(samplers) - len(keep)
-        return logits[to_device(np.array(keep, dtype=np.int64), logits.device)], [samplers[i] for i in keep]
+        return logits[index_tensor(keep, logits.device)], [samplers[i] for i in keep]
 
     def _token_logprobs(self, scores: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list:
         """Each chosen token's log-probability and top alternatives, for the rows that ask (else None)."""

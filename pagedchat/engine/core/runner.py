@@ -13,7 +13,7 @@ from pagedchat.engine.core.config import EngineConfig
 from pagedchat.engine.core.logprobs import score_prompt_chunk
 from pagedchat.engine.core.scheduler import ScheduledBatch
 from pagedchat.engine.core.sequence import Sequence
-from pagedchat.engine.core.step_inputs import padded_tables, to_device, token_positions, token_slots
+from pagedchat.engine.core.step_inputs import index_tensor, padded_tables, to_device, token_positions, token_slots
 from pagedchat.engine.kv.caches import KVCaches, kv_bytes_per_token, kv_cache_dtype
 from pagedchat.errors import SettingError
 from pagedchat.memory import available_ram
@@ -242,7 +242,7 @@ class ModelRunner:
         if len(sample_rows) == hidden.shape[0]:  # every row, in order (a decode step): no copy, no gather
             logits = self.model.compute_logits(hidden)
         else:
-            logits = self.model.compute_logits(hidden[to_device(np.array(sample_rows), self.device)])
+            logits = self.model.compute_logits(hidden[index_tensor(sample_rows, self.device)])
         if native:
             self.native.torch_took(ids.shape[0], len(batch.items), time.perf_counter() - start)
         return logits, samplers
@@ -341,9 +341,9 @@ class ModelRunner:
         if self._window_groups():
             meta.window_metas = [self._group_meta(batch, g, meta, rows, positions)
                                  for g in range(self._window_groups())]
-        tokens = to_device(np.array(ids, dtype=np.int64), dev)
+        tokens = index_tensor(ids, dev)
         if pending_at:  # the previous step's tokens, still on the device
-            tokens[to_device(np.array(pending_at), dev)] = batch.prior_tokens[to_device(np.array(pending_rows), dev)]
+            tokens[index_tensor(pending_at, dev)] = batch.prior_tokens[index_tensor(pending_rows, dev)]
         return tokens, to_device(positions, dev), meta, sample_rows, samplers
 
     def _group_meta(self, batch: ScheduledBatch, group: int, meta: AttentionMetadata, rows: np.ndarray,

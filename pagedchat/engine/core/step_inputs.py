@@ -33,6 +33,11 @@ def token_slots(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, blo
     return tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
+def index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """Python ints as an int64 tensor on `device`, copied as to_device copies (the step's ids and indices)."""
+    return to_device(np.array(values, dtype=np.int64), device)
+
+
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     """The array as a tensor on `device` (shares its memory on the CPU). On a GPU through pinned memory and
     without waiting: a plain copy from pageable memory waits for everything queued on the device, which

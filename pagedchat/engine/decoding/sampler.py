@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from pagedchat.engine.core.sequence import Sequence
-from pagedchat.engine.core.step_inputs import to_device
+from pagedchat.engine.core.step_inputs import index_tensor, to_device
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads variant seeds apart
 
@@ -106,12 +106,12 @@ class SamplingState:
         slots = [self._slot(seq) for seq in seqs]
         random_rows = [i for i, seq in enumerate(seqs) if not seq.request.params.greedy]
         params = [seqs[i].request.params for i in random_rows]
-        index = _on(self.device, slots)
-        random = None if len(random_rows) == len(seqs) else _on(self.device, random_rows)
+        index = index_tensor(slots, self.device)
+        random = None if len(random_rows) == len(seqs) else index_tensor(random_rows, self.device)
         settings = self.settings[index if random is None else index[random]]
         seeded = [j for j, i in enumerate(random_rows) if seqs[i].generator is not None]
-        unseeded = None if not seeded else _on(self.device, [j for j, i in enumerate(random_rows)
-                                                             if seqs[i].generator is None])
+        unseeded = None if not seeded else index_tensor([j for j, i in enumerate(random_rows)
+                                                         if seqs[i].generator is None], self.device)
         return StepRows(key, index, random, settings[:, 0], settings[:, 1].long(), settings[:, 2], settings[:, 3],
                         any(p.top_k > 0 or p.top_p < 1 or p.min_p > 0 for p in params),
                         any(seq.request.params.repetition_penalty != 1.0 for seq in seqs), seeded,
@@ -167,7 +167,7 @@ class SamplingState:
                 tokens += new
                 self.known[slot] = seq.num_tokens
         if tokens:
-            self.seen[_on(self.device, slots), _on(self.device, tokens)] = True
+            self.seen[index_tensor(slots, self.device), index_tensor(tokens, self.device)] = True
 
     def note_sampled(self, seqs: list[Sequence], rows: StepRows, tokens: torch.Tensor) -> None:
         """Each row's sampled token goes into its sequence's token set on the device (the engine appends it)."""
@@ -246,11 +246,6 @@ def exponential_race(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     unseeded = None if not seeded else torch.tensor([i for i, s in enumerate(seqs) if s.generator is None],
                                                     dtype=torch.long, device=probs.device)
     return _race(probs, [seqs[i].generator for i in seeded], seeded, unseeded)
-
-
-def _on(device: torch.device, values: list[int]) -> torch.Tensor:
-    """An int64 index tensor on the device, copied without waiting for the device (step_inputs.to_device)."""
-    return to_device(np.array(values, dtype=np.int64), device)
 
 
 def _race(probs: torch.Tensor, generators: list[torch.Generator], seeded: list[int],
