@@ -120,7 +120,8 @@ class Registry:
         return None
 
     def resolve(self, name_or_path: str | None) -> ModelEntry:
-        """A registry name or alias, a local HF folder, or an HF repo id in the cache."""
+        """A registry name or alias, a local HF folder, an HF repo id in the cache, or a GGUF reference (a .gguf
+        file, ollama:NAME[:TAG], org/repo:QUANT): its entry's path is the GGUF's first file."""
         name = name_or_path or self.defaults.get("model")
         if not name:
             raise UserError("no model given (-m) and models.toml has no [defaults] model")
@@ -134,14 +135,33 @@ class Registry:
             if not source:
                 raise UserError(f"{self.origin[key]}: [models.{key}] needs a `source` (path or HF repo id)")
             origin = self.origins[key].get("path") or self.origins[key].get("source") or self.origin[key]
-            return ModelEntry(key, _source_path(source, origin), source, table, self.defaults)
+            gguf = _gguf_files(source if source.startswith("ollama:") else str(_source_path(source, origin)))
+            return ModelEntry(key, gguf[0] if gguf else _source_path(source, origin), source, table, self.defaults)
+        gguf = _gguf_files(name)
+        if gguf:
+            return ModelEntry(name, gguf[0], name, {}, self.defaults)
         path = Path(name).expanduser()
         if path.exists() or "/" in name or name.startswith("."):
             return ModelEntry(name, path if path.exists() else Path(name), name, {}, self.defaults)
         known = self.names() + [a for t in self.models.values() for a in t.get("aliases") or []]
         close = difflib.get_close_matches(name, known, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else f"; known models: {', '.join(self.names())}"
+        hint = f"; did you mean {ollama}?" if (ollama := _ollama_hint(name)) else hint
         raise UserError(f"unknown model {name!r} (not in models.toml and not a folder){hint}")
+
+
+def _gguf_files(reference: str) -> list[Path] | None:
+    """The GGUF file(s) a reference names; None for anything else (registry names, HF folders and ids)."""
+    from pagedchat.model.gguf.locate import resolve_gguf
+
+    return resolve_gguf(reference)
+
+
+def _ollama_hint(name: str) -> str | None:
+    """`ollama:NAME` when a bare name is an Ollama model (`ollama run` takes it without the prefix)."""
+    from pagedchat.model.gguf.locate import ollama_reference_for
+
+    return ollama_reference_for(name)
 
 
 def _source_path(source: str, origin: Path) -> Path:

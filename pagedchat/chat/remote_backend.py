@@ -320,6 +320,10 @@ def _local_tokenizer(folder: Path, entry):
 
     template = entry.table.get("chat_template")
     trust = bool(entry.table.get("trust_remote_code", False))
+    if folder.is_file():   # a GGUF file
+        from pagedchat.model.gguf.load import read_tokenizer
+
+        return read_tokenizer(folder, _read_template(template, entry) if template else None)
     tokenizer = load_tokenizer(folder, trust, _read_template(template, entry) if template else None)
     if tokenizer is None:
         return None, [], None

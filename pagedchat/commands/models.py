@@ -25,12 +25,14 @@ def _default(ctx: typer.Context) -> None:
         list_models(as_json=False)
 
 
-@models_app.command("list", help="Models in models.toml with their aliases, source and whether they are present.")
+@models_app.command("list", help="Models in models.toml with their aliases, source and whether they are present, "
+                                  "then the GGUF files found in Ollama's store, the HF cache and LM Studio's folder.")
 def list_models(as_json: bool = typer.Option(False, "--json", help="Print JSON.")) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
+    from pagedchat.model.gguf.locate import list_local_ggufs
     from pagedchat.registry import Registry
 
     registry = Registry()
@@ -46,8 +48,11 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="Print JSON."
         rows.append({"name": name, "default": name == default, "aliases": table.get("aliases") or [],
                      "source": table.get("path") or table.get("source") or "", "status": status,
                      "description": table.get("description", ""), "defined_in": registry.where(name)})
+    ggufs = list_local_ggufs()
     if as_json:
-        print(json.dumps({"models": rows, "config": _config_files(registry)}))
+        print(json.dumps({"models": rows, "config": _config_files(registry),
+                          "ggufs": [{"name": g.name, "path": str(g.path), "size": g.size, "where": g.where}
+                                    for g in ggufs]}))
         return
     console = Console(highlight=False)
     view = Table(box=None, padding=(0, 1), header_style="bold")
@@ -60,9 +65,36 @@ def list_models(as_json: bool = typer.Option(False, "--json", help="Print JSON."
                  _wrap_path(row["source"], PATH_WIDTH), row["status"], row["description"]]
         view.add_row(*(Text(c) for c in cells[:len(columns)]))
     console.print(view)
+    _print_ggufs(console, ggufs)
     for label, path, exists in _config_files(registry):
         console.print(Text(f"{label}: {path}{'' if exists else ' (not present)'}", style="dim"), soft_wrap=True)
-    console.print(Text("* default model · any local HF folder also works with -m PATH", style="dim"))
+    console.print(Text("* default model · any local HF folder or GGUF file also works with -m PATH", style="dim"))
+
+
+def _print_ggufs(console, ggufs) -> None:
+    """The GGUF files found, one a line: where, size, then the name that opens it last and never wrapped
+    (a long path stays one piece to copy)."""
+    from rich.text import Text
+
+    from pagedchat.model.gguf.locate import gguf_stores
+
+    if not ggufs:
+        looked = ", ".join(str(folder) for _, folder in gguf_stores())
+        console.print(Text(f"no GGUF files found (looked in {looked})", style="dim"), soft_wrap=True)
+        return
+    console.print()
+    console.print(Text("GGUF files found (open one with -m NAME)", style="bold"))
+    width = max(len(g.where) for g in ggufs)
+    for g in ggufs:
+        console.print(Text(f" {g.where:<{width}}  {_size_text(g.size):>8}  {g.name}"), soft_wrap=True)
+
+
+def _size_text(size: int) -> str:
+    """Bytes in decimal units, as `ollama list` and the HF hub show a file's size."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 @models_app.command("show", help="Every resolved setting of a model and where it came from.")
@@ -77,11 +109,16 @@ def show_model(name: str = typer.Argument(..., help="models.toml name or alias, 
 
     registry = Registry()
     entry = registry.resolve(name)
-    rows = [("model", entry.name, registry.where(entry.name) if entry.table else "command line (a folder)"),
+    here = "command line (a GGUF file)" if _is_gguf(entry.source) else "command line (a folder)"
+    rows = [("model", entry.name, registry.where(entry.name) if entry.table else here),
             ("path", str(entry.path), _status(entry.path, entry.source, entry.table))]
-    family = _family(entry.path)
+    gguf = _gguf_summary(entry.path)
+    family = gguf["family"] if gguf else _family(entry.path)
+    described_by = "the GGUF file's metadata" if gguf else "the model's config.json"
     if family is not None:
-        rows.append(("family", family, "the model's config.json"))
+        rows.append(("family", family, described_by))
+    if gguf:
+        rows.append(("weights", gguf["formats"], described_by))
     for key in ENTRY_SETTINGS:
         setting = entry.get(key)
         if key == "source" or setting.value is None and key not in ("dtype", "kv_dtype", "max_context"):
@@ -92,7 +129,7 @@ def show_model(name: str = typer.Argument(..., help="models.toml name or alias, 
         if key == "kv_dtype" and value is None:
             value, source = "auto", "built-in default (the KV pool stores the model's dtype)"
         if key == "max_context" and value is None:
-            value, source = _max_positions(entry.path), "the model's config.json"
+            value, source = (gguf["max_context"] if gguf else _max_positions(entry.path)), described_by
         rows.append((key, value, source))
     resolved = entry.sampling_defaults()
     defaults = SamplingParams()
@@ -138,11 +175,36 @@ def _status(path: Path, source: str, table: dict | None = None) -> str:
     if (table or {}).get("kind") == "remote":   # generated by a server; the folder (if any) is the tokenizer's
         return f"remote: {table.get('server')}"
     path, source = Path(path), str(source)
+    if path.is_file() and _is_gguf(source):
+        return "ready (GGUF)"
     if path.is_dir():
         return "ready" if (path / "config.json").is_file() else "folder without config.json"
     if source.startswith("hf:") or (source.count("/") == 1 and not source.startswith(("pkg:", ".", "/", "~"))):
         return "HF repo id (loaded from the local HF cache)"
     return "missing"
+
+
+def _is_gguf(reference: str) -> bool:
+    from pagedchat.model.gguf.locate import is_gguf_reference
+
+    return is_gguf_reference(str(reference))
+
+
+def _gguf_summary(path: Path) -> Optional[dict]:
+    """Family, context and weight formats of a GGUF file (its header only), or None for a folder."""
+    from pagedchat.model.gguf.locate import resolve_gguf
+
+    parts = resolve_gguf(str(path)) if Path(path).is_file() else None
+    if not parts:
+        return None
+    from pagedchat.errors import ModelLoadError
+    from pagedchat.model.gguf.arch import summary
+    from pagedchat.model.gguf.reader import open_gguf
+
+    try:
+        return summary(open_gguf(parts))
+    except ModelLoadError as e:   # show the settings anyway; loading it would fail with this line
+        return {"family": f"unreadable: {e}", "max_context": None, "formats": "?", "name": None}
 
 
 def _family(path: Path) -> Optional[str]:

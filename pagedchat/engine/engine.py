@@ -153,7 +153,7 @@ class Engine:
         fp, meta = "", {}
         root = Path(config.kv_dir) if config.kv_dir else kv_cache_root()
         if config.kv_disk:
-            extra = {"quantize": q} if (q := getattr(config, "quantize", None)) else None
+            extra = {"quantize": q} if (q := getattr(config, "quantize", None)) not in (None, "none") else None
             fp, meta = engine_fingerprint(self.loaded.path, weight_files(self.loaded.path), self.loaded.dtype,
                                           config.block_size, self.device.type, root, extra, self.pool.kv_dtype)
         return build_tiers(self.runner, self.runner.block_payload_shape, self.runner.block_payload_dtype, fp,

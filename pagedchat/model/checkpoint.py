@@ -52,3 +52,21 @@ def param_target(name: str, spec: ArchSpec) -> tuple[str, int, int] | None:
         fused, offset, rows = shards[parts[-2]]
         return ".".join(parts[:-2] + [fused, parts[-1]]), offset, rows
     return name, 0, -1
+
+
+def target_of(model: nn.Module, name: str) -> tuple[str, int | tuple[int, int], int] | None:
+    """Where checkpoint tensor `name` goes in `model` (its own mapping if it has one), or None to skip it:
+    also None for a tied LM head, which is the embedding."""
+    target = model.param_target(name) if hasattr(model, "param_target") else param_target(name, model.spec)
+    if target is None or (target[0] == "lm_head.weight" and model.spec.tie_embeddings):
+        return None
+    return target
+
+
+def target_rows(param: torch.Tensor, offset: int | tuple[int, int], rows: int) -> torch.Tensor:
+    """The part of a parameter a checkpoint tensor fills: all of it, some rows of a fused projection, or an
+    expert's rows of a stacked tensor (offset = (expert, row offset))."""
+    dest = param.data
+    if isinstance(offset, tuple):
+        dest, offset = dest[offset[0]], offset[1]
+    return dest if rows < 0 else dest.narrow(0, offset, rows)

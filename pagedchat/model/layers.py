@@ -73,15 +73,25 @@ def rope_parameters(config) -> dict:
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scaling; scaled variants come from transformers itself."""
     params = rope_parameters(config)
-    if params["rope_type"] == "default":
+    if "freq_factors" in params:  # a GGUF's per-frequency divisors (Llama-3's scaling, precomputed)
+        inv_freq, scaling = rope_inv_freq(_without_factors(config, params), head_dim)
+        return inv_freq / torch.tensor(params["freq_factors"], dtype=torch.float), scaling
+    if params["rope_type"] in ("default", "linear"):
         base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        return (inv_freq / params["factor"] if params["rope_type"] == "linear" else inv_freq), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope type {params['rope_type']!r}")
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
     return inv_freq.float(), float(scaling)
+
+
+def _without_factors(config, params: dict):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(rope_parameters={k: v for k, v in params.items() if k != "freq_factors"})
 
 
 class RotaryEmbedding:

@@ -11,7 +11,7 @@ import torch
 
 from pagedchat.dtypes import DTYPES
 from pagedchat.errors import ModelLoadError, SettingError
-from pagedchat.model.checkpoint import param_target
+from pagedchat.model.checkpoint import target_of, target_rows
 from pagedchat.model.families import SUPPORTED_ARCHITECTURES, family_for, text_part
 from pagedchat.model.hf_config import read_config
 from pagedchat.model.llama import ArchSpec
@@ -54,7 +54,11 @@ def find_model_dir(source: str, revision: str | None = None) -> Path:
     if path.is_dir():
         return path
     if path.exists():
-        raise ModelLoadError(f"model path {source} is a file; expected an HF model folder")
+        from pagedchat.model.gguf.locate import looks_like_gguf
+
+        if looks_like_gguf(path):
+            return path   # a GGUF file is its own model (its tokenizer, config and weights inside)
+        raise ModelLoadError(f"model path {source} is neither an HF model folder nor a GGUF file")
     if source.count("/") != 1 or source.startswith((".", "/", "~")):
         raise ModelLoadError(f"model {source!r} not found: no such folder, and it is not an HF repo id (org/name)")
     from huggingface_hub import snapshot_download
@@ -74,7 +78,12 @@ def find_model_dir(source: str, revision: str | None = None) -> Path:
 
 
 def weight_files(model_dir: Path) -> list[Path]:
-    """The safetensors shards, checked to exist (single file or an index with its shards)."""
+    """The safetensors shards, checked to exist (single file or an index with its shards); for a GGUF file,
+    every part of its set."""
+    if model_dir.is_file():
+        from pagedchat.model.gguf.locate import resolve_gguf
+
+        return resolve_gguf(str(model_dir)) or [model_dir]
     if not (model_dir / "config.json").is_file():
         raise ModelLoadError(f"{model_dir} has no config.json: not an HF model folder")
     index = model_dir / "model.safetensors.index.json"
@@ -128,6 +137,10 @@ def _auto_config(model_dir: Path, trust_remote_code: bool):
 def load_tokenizer(model_dir: Path, trust_remote_code: bool = False, chat_template: str | None = None):
     """The folder's tokenizer (None when it has none); chat_template replaces the folder's template. The
     `tokenizers`-only tokenizer where it is exact, else transformers' AutoTokenizer."""
+    if model_dir.is_file():   # a GGUF file: the vocabulary and template in its metadata
+        from pagedchat.model.gguf.load import read_tokenizer
+
+        return read_tokenizer(model_dir, chat_template)[0]
     has_files = any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json",
                                                         "tokenizer_config.json"))
     if not has_files:
@@ -186,24 +199,17 @@ def load_weights(model: torch.nn.Module, files: list[Path], show_progress: bool)
             except Exception as e:
                 raise ModelLoadError(f"{file} is corrupt or truncated: {str(e).splitlines()[0]}") from None
             for key in keys:
-                target = model.param_target(key) if hasattr(model, "param_target") else \
-                    param_target(key, model.spec)
+                target = target_of(model, key)
                 if target is None:
                     continue
                 name, offset, rows = target
-                if name == "lm_head.weight" and model.spec.tie_embeddings:
-                    continue
                 if name not in params:
                     raise ModelLoadError(f"{file.name}: unexpected tensor {key!r} for this architecture")
                 try:
                     tensor = handle.get_tensor(key)
                 except Exception as e:
                     raise ModelLoadError(f"{file} is corrupt: {key}: {str(e).splitlines()[0]}") from None
-                param = params[name]
-                dest = param.data
-                if isinstance(offset, tuple):  # (index along the first dim, row offset within it)
-                    dest, offset = dest[offset[0]], offset[1]
-                dest = dest if rows < 0 else dest.narrow(0, offset, rows)
+                dest = target_rows(params[name], offset, rows)
                 if dest.shape != tensor.shape:
                     raise ModelLoadError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
                                          f"config expects {tuple(dest.shape)}")
@@ -246,12 +252,29 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model
                revision: str | None = None, trust_remote_code: bool = False,
                show_progress: bool = True, chat_template: str | None = None,
                quantize: str | None = None) -> LoadedModel:
+    from pagedchat.model.gguf.locate import resolve_gguf
+
+    gguf_paths = resolve_gguf(source)
+    if gguf_paths is not None:
+        from pagedchat.model.gguf.load import load_gguf
+
+        return load_gguf(gguf_paths, resolve_device(device), dtype, max_model_len, show_progress, chat_template,
+                         quantize)
     model_dir = find_model_dir(source, revision)
     files = weight_files(model_dir)
     config = load_config(model_dir, trust_remote_code)
     tokenizer = load_tokenizer(model_dir, trust_remote_code, chat_template)
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    model, spec, limit = build_empty_model(config, dev, torch_dtype, max_model_len)
+    load_weights(model, files, show_progress)
+    finish_model(model, dev, torch_dtype, None if quantize == "none" else quantize)
+    return LoadedModel(model_dir, config, spec, model, tokenizer, eos_ids(model_dir, config, tokenizer),
+                       limit, torch_dtype, dev)
+
+
+def build_empty_model(config, dev: torch.device, torch_dtype: torch.dtype, max_model_len: int | None):
+    """(model with empty parameters, its ArchSpec, its context limit) for an HF-style config."""
     spec = ArchSpec.from_hf(config)
     family = family_for(architecture_of(config))
     limit = spec.max_positions
@@ -264,7 +287,11 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model
         limit = max_model_len
     model = family.build(config, spec, limit, dev, torch_dtype)
     model.tie_weights()
-    load_weights(model, files, show_progress)
+    return model, spec, limit
+
+
+def finish_model(model: torch.nn.Module, dev: torch.device, torch_dtype: torch.dtype, quantize: str | None):
+    """Weight-only quantization when asked for, else the packed fp32 copies where they pay; inference mode."""
     if quantize is not None:
         from pagedchat.model.quantize import quantize_model
 
@@ -275,5 +302,3 @@ def load_model(source: str, device: str = "auto", dtype: str = "auto", max_model
         if packed.can_pack(dev, torch_dtype):
             packed.pack_linears(model)
     model.eval().requires_grad_(False)
-    return LoadedModel(model_dir, config, spec, model, tokenizer, eos_ids(model_dir, config, tokenizer),
-                       limit, torch_dtype, dev)

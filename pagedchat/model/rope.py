@@ -16,9 +16,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inv_freq(config, params: dict, rotary_dim: int, layer_type: str | None, **kw) -> tuple[torch.Tensor, float]:
-    if params.get("rope_type", "default") == "default":
+    if params.get("rope_type", "default") in ("default", "linear"):
         base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)), 1.0
+        inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        return (inv_freq / params["factor"] if params.get("rope_type") == "linear" else inv_freq), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = params["rope_type"]

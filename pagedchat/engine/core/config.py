@@ -72,7 +72,8 @@ class EngineConfig:
     speculate: str = "off"          # off | ngram | draft (speculative decoding, see engine/decoding/speculative.py)
     num_draft_tokens: int = 6       # most tokens proposed per sequence and step (adapted per sequence)
     draft_model: str | None = None  # a smaller model with the same tokenizer (speculate="draft")
-    quantize: str | None = None     # None/"none" | "int8" | "int4": weight-only, from the fp checkpoint (model/quantize.py)
+    quantize: str | None = None     # None | "none" | "int8" | "int4": weight-only, from the fp checkpoint (model/quantize.py);
+                                    # on a GGUF None keeps the file's block formats and "none" dequantizes
     kv_dtype: str = "auto"          # auto (the model's dtype) | int8 (CPU, CUDA) | fp8 (CUDA): what the pool
                                     # stores; quantized: + a float16 scale per token and KV head
     # Tiers below the pool (0 = off; the library default, so tests and benchmarks keep no state; the CLI
@@ -101,9 +102,8 @@ class EngineConfig:
         if self.kv_allocation == "reserved":
             # A contiguous per-request region cannot hold another request's blocks: no prefix sharing.
             self.enable_prefix_cache = False
-        if self.quantize == "none":
-            self.quantize = None
-        if self.quantize not in (None, "int8", "int4"):
+        # "none" stays as said: on a GGUF file it means dequantize (the default keeps the file's formats)
+        if self.quantize not in (None, "none", "int8", "int4"):
             raise SettingError("quantize", f"{{name}} must be int8, int4 or none, got {self.quantize!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise UserError(f"unknown dtype {self.dtype!r}: {DTYPE_HINT}")

@@ -1,0 +1,1 @@
+"""GGUF model files: reading, tokenizer, weights."""

@@ -1,0 +1,60 @@
+"""GGUFLinear: a linear layer whose weight stays in the GGUF file's block format.
+
+Why dequantize per layer, per call: memory. The model stays resident at the file's size (Q4_K is 4.5 bits a
+weight, not bf16's 16), and only one layer's weight is dense at a time, a transient the size of the largest
+layer. The cost is a dequantization per forward; speed is for native/Triton kernels that read the blocks
+directly (later work), and this layer is what they are checked against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedchat.model.gguf.quants import SUPPORTED, dequantize_into, row_bytes, type_name
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T + b with W the parts' rows stacked in order: [(raw uint8 [rows_i, row_bytes_i], qtype_i), ...].
+    Several parts because our models fuse q/k/v (and gate/up) into one layer while the file keeps them apart,
+    each in its own type (q and k Q5_0, v Q8_0 is common)."""
+
+    def __init__(self, parts: list[tuple[torch.Tensor, int]], in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        if not parts:
+            raise ValueError("a GGUFLinear needs at least one part")
+        self.in_features = in_features
+        self.qtypes = []
+        for i, (raw, qtype) in enumerate(parts):
+            if qtype not in SUPPORTED:
+                raise ValueError(f"part {i}: cannot dequantize GGUF type {type_name(qtype)}")
+            expected = row_bytes(qtype, in_features)
+            if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != expected:
+                raise ValueError(f"part {i}: expected uint8 [rows, {expected}] {type_name(qtype)} rows of "
+                                 f"{in_features} values, got {raw.dtype} {tuple(raw.shape)}")
+            self.register_buffer(f"part{i}", raw)   # a buffer: .to(device) moves it
+            self.qtypes.append(int(qtype))
+        self.out_features = sum(raw.shape[0] for raw, _ in parts)
+        self.register_buffer("bias", bias)
+
+    @property
+    def parts(self) -> list[tuple[torch.Tensor, int]]:
+        return [(getattr(self, f"part{i}"), qtype) for i, qtype in enumerate(self.qtypes)]
+
+    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole weight [out_features, in_features] in `dtype`, each part written into its rows."""
+        weight = torch.empty((self.out_features, self.in_features), dtype=dtype, device=self.part0.device)
+        row = 0
+        for raw, qtype in self.parts:
+            dequantize_into(raw, qtype, weight[row:row + raw.shape[0]])
+            row += raw.shape[0]
+        return weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        types = "+".join(type_name(qtype) for qtype in self.qtypes)
+        return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"

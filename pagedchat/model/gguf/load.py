@@ -1,0 +1,158 @@
+"""A GGUF file as a loaded model: config and tokenizer from its metadata, weights from its memory-mapped tensors.
+
+Two ways to hold the weights:
+  - as the file stores them (the default): every linear layer with a block-format weight becomes a GGUFLinear
+    over the file's bytes, so the model stays about the file's size; norms, biases and the embedding are
+    dequantized into the model dtype;
+  - `--quantize none`: everything dequantized into `--dtype` at load (the exact reference the tests compare
+    against transformers' GGUF loading, and the fastest path where memory allows).
+Rows llama.cpp's converter permuted are put back; Gemma's norm weights lose the +1 its converter added.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedchat.errors import ModelLoadError
+from pagedchat.model.checkpoint import target_of, target_rows
+from pagedchat.model.gguf import arch as gguf_arch
+from pagedchat.model.gguf.reader import GGUFFile, GGUFTensor, open_gguf
+
+FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: nothing to keep in a block format
+
+
+def load_gguf(paths: list[Path], dev: torch.device, dtype: str, max_model_len: int | None, show_progress: bool,
+              chat_template: str | None, quantize: str | None):
+    from pagedchat.model.gguf.tokenizer import load_gguf_tokenizer, stop_token_ids
+    from pagedchat.model.loader import LoadedModel, build_empty_model, finish_model, resolve_dtype
+
+    gguf = open_gguf(paths)
+    config = gguf_arch.config_from_gguf(gguf)
+    keep_blocks = _keep_blocks(gguf, quantize)
+    torch_dtype = resolve_dtype(dtype, dev)
+    tokenizer = load_gguf_tokenizer(gguf.metadata, str(paths[0]))
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    model, spec, limit = build_empty_model(config, dev, torch_dtype, max_model_len)
+    load_tensors(model, gguf, config, keep_blocks)
+    finish_model(model, dev, torch_dtype, None if keep_blocks or quantize == "none" else quantize)
+    return LoadedModel(paths[0], config, spec, model, tokenizer, stop_token_ids(gguf.metadata, tokenizer), limit,
+                       torch_dtype, dev)
+
+
+def read_tokenizer(path: Path, chat_template: str | None = None):
+    """(tokenizer, end-of-generation ids, context limit) of a GGUF model from its header alone (remote mode
+    renders prompts with it; no weights are read)."""
+    from pagedchat.model.gguf.locate import resolve_gguf
+    from pagedchat.model.gguf.tokenizer import load_gguf_tokenizer, stop_token_ids
+
+    gguf = open_gguf(resolve_gguf(str(path)) or [Path(path)])
+    tokenizer = load_gguf_tokenizer(gguf.metadata, str(gguf.paths[0]))
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    limit = gguf.get("context_length")
+    return tokenizer, stop_token_ids(gguf.metadata, tokenizer), int(limit) if limit else None
+
+
+def _keep_blocks(gguf: GGUFFile, quantize: str | None) -> bool:
+    """Whether linear weights stay in the file's block formats; int8/int4 only from a float file."""
+    quantized = any(t.qtype not in FLOAT_TYPES for t in gguf.tensors.values())
+    if quantize in ("int8", "int4") and quantized:
+        raise ModelLoadError(f"{gguf.paths[0]} is already quantized; --quantize {quantize} applies to float "
+                             f"weights only (use --quantize none to dequantize it to --dtype)")
+    return quantized and quantize is None
+
+
+def load_tensors(model: nn.Module, gguf: GGUFFile, config, keep_blocks: bool) -> None:
+    """Every tensor of the file into the model: dequantized into its parameter, or (keep_blocks) linear
+    weights gathered per layer and swapped for a GGUFLinear."""
+    from pagedchat.model.gguf.quants import check_supported
+
+    arch = gguf.architecture
+    params = dict(model.named_parameters(remove_duplicate=False))
+    modules = dict(model.named_modules())
+    block_parts: dict[str, list[tuple[int, torch.Tensor, int]]] = {}   # linear module -> (row offset, raw, type)
+    loaded: dict[str, int] = {}
+    for tensor in gguf.tensors.values():
+        hf = gguf_arch.hf_name(tensor.name, arch)
+        if hf is None:
+            continue
+        check_supported(tensor.qtype, tensor.name)
+        for name, data in _split_experts(hf, tensor):
+            target = target_of(model, name)
+            if target is None:
+                continue
+            pname, offset, rows = target
+            if pname not in params:
+                raise ModelLoadError(f"{gguf.paths[0]}: tensor {tensor.name} has no place in a {arch} model")
+            raw = _rows_in_hf_order(data, tensor.name, arch, config)
+            owner = pname.rsplit(".", 1)[0]
+            if keep_blocks and pname.endswith(".weight") and isinstance(modules.get(owner), nn.Linear) \
+                    and not isinstance(offset, tuple):
+                block_parts.setdefault(owner, []).append((offset, raw, tensor.qtype))
+            else:
+                loaded[pname] = loaded.get(pname, 0) + _fill(params[pname], offset, rows, raw, tensor, arch)
+    for owner, parts in block_parts.items():
+        _swap_linear(model, owner, parts)
+    _check_complete(model, params, loaded, block_parts, gguf)
+
+
+def _split_experts(hf: str, tensor: GGUFTensor):
+    """(HF name, raw rows) per tensor; a stacked expert tensor [experts * rows, bytes] gives one per expert."""
+    if "{e}" not in hf:
+        return [(hf, tensor.data)]
+    experts = tensor.shape[0]
+    per = tensor.data.reshape(experts, -1, tensor.data.shape[-1])
+    return [(hf.format(e=e), per[e]) for e in range(experts)]
+
+
+def _rows_in_hf_order(data: np.ndarray, name: str, arch: str, config) -> np.ndarray:
+    order = gguf_arch.row_order(name, arch, config)
+    return data if order is None else data[order]
+
+
+def _dequantized(raw: np.ndarray, tensor: GGUFTensor, arch: str) -> torch.Tensor:
+    from pagedchat.model.gguf.quants import dequantize
+
+    values = dequantize(torch.from_numpy(np.ascontiguousarray(raw)), tensor.qtype)
+    if gguf_arch.is_plus_one_norm(tensor.name, arch):
+        values = values - 1.0
+    return values
+
+
+def _fill(param: torch.Tensor, offset, rows: int, raw: np.ndarray, tensor: GGUFTensor, arch: str) -> int:
+    """Dequantize into the parameter's rows; the number of values filled."""
+    dest = target_rows(param, offset, rows)
+    values = _dequantized(raw, tensor, arch)
+    if values.numel() != dest.numel():
+        raise ModelLoadError(f"{tensor.name} has {values.numel()} values, the model expects {tuple(dest.shape)}")
+    dest.copy_(values.reshape(dest.shape))
+    return dest.numel()
+
+
+def _swap_linear(model: nn.Module, owner: str, parts: list[tuple[int, np.ndarray, int]]) -> None:
+    from pagedchat.model.gguf.linear import GGUFLinear
+
+    parent_name, _, attr = owner.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    linear = getattr(parent, attr)
+    parts = sorted(parts, key=lambda p: p[0])
+    blocks = [(torch.from_numpy(raw).to(linear.weight.device), qtype) for _, raw, qtype in parts]
+    layer = GGUFLinear(blocks, linear.in_features, None if linear.bias is None else linear.bias.data)
+    if layer.out_features != linear.out_features:
+        raise ModelLoadError(f"{owner}: the file's weights give {layer.out_features} rows, the model expects "
+                             f"{linear.out_features}")
+    setattr(parent, attr, layer)
+
+
+def _check_complete(model, params, loaded, block_parts, gguf: GGUFFile) -> None:
+    skip = {"lm_head.weight"} if model.spec.tie_embeddings else set()
+    kept = {f"{owner}.weight" for owner in block_parts}
+    missing = [n for n, p in params.items() if n not in skip and n not in kept and loaded.get(n, 0) < p.numel()]
+    if missing:
+        raise ModelLoadError(f"{gguf.paths[0]} is missing tensors for: {', '.join(missing[:5])}"
+                             + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
