@@ -5,7 +5,7 @@ each on stderr.
     LiveReply      one prompt's reply streamed as it is generated; with -n, variant 1 streams and every
                    other variant is printed as soon as it finishes
     print_plain    a --file batch or beam hypotheses, printed once done
-    json_report    the --json object (DESIGN.md's fields)
+    json_report    the --json object (DESIGN.md's fields, with each prompt's token ids)
     notes          the stderr lines
 """
 
@@ -176,7 +176,9 @@ def json_report(engine, model_name, outputs, batch, start, first_token_at, total
         return item
 
     def result(out, i=0):
-        return {"outputs": [output(v, i) for v in out.outputs],
+        # the ids the model saw, after the template; none known when a server rendered the messages itself
+        return {"prompt_token_ids": list(out.prompt_token_ids) or None,
+                "outputs": [output(v, i) for v in out.outputs],
                 "usage": {"prompt_tokens": out.num_prompt_tokens,
                           "completion_tokens": sum(len(v.token_ids) for v in out.outputs)}}
 

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: chat and text completions (streaming or not), models, health, stats.
+"""The OpenAI-compatible HTTP API: chat and text completions (streaming or not), models, health, stats;
+vLLM's /tokenize and /detokenize; Prometheus /metrics.
 
 Every request becomes engine requests in the one AsyncEngine; handlers only translate between the wire
 format and TokenEvents/RequestOutputs. A client that goes away has its requests aborted at once.
@@ -13,7 +14,7 @@ import json
 import struct
 import time
 import uuid
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 
 from fastapi import Depends, FastAPI, Request
@@ -28,9 +29,11 @@ from pagedchat.errors import ContextTooLong, PoolTooSmall, UserError
 import pagedchat.serve.tools as tools
 from pagedchat.serve.async_engine import AsyncEngine, Done, GroupFailed, RequestGroup, Token
 from pagedchat.serve.logprobs import TokenText, chat_logprobs, completion_logprobs, merge_completion_logprobs
-from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, EmbeddingRequest,
-                                      chat_messages, check_extra_fields, completion_prompts, error_payload,
-                                      response_grammar, stop_strings, validation_error)
+from pagedchat.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from pagedchat.serve.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      EmbeddingRequest, TokenizeRequest, chat_messages, check_extra_fields,
+                                      check_known_fields, check_tokenize_request, completion_prompts,
+                                      error_payload, response_grammar, stop_strings, validation_error)
 
 # request fields read by their setting name (max_tokens and stop arrive in OpenAI's own shapes)
 SAMPLING_FIELDS = tuple(k for k in SETTING_KEYS if k not in ("max_tokens", "stop"))
@@ -115,29 +118,78 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
             **({"spec": engine_stats.spec} if engine_stats.spec is not None else {}),
         }
 
+    @app.get("/metrics", dependencies=[Depends(require_key)])
+    async def metrics():
+        with _api_errors(aengine, None):
+            text = await aengine.call(lambda engine: aengine.metrics.render(engine.stats(), settings.model_name))
+        return Response(text, media_type=METRICS_CONTENT_TYPE)
+
+    # -- tokens (vLLM's shapes) -----------------------------------------------------------------------------
+    @app.post("/tokenize", dependencies=[Depends(require_key)])
+    async def tokenize(body: TokenizeRequest):
+        """A prompt's ids as /v1/completions encodes it; messages' ids as /v1/chat/completions renders them."""
+        check_tokenize_request(body)
+        if body.model is not None:
+            check_model(body.model)
+        if body.messages is not None:
+            messages, template_kwargs, _, _ = _chat_input(body, settings)
+            if body.continue_final_message:
+                template_kwargs["continue_final_message"] = True
+            generation = body.add_generation_prompt and not body.continue_final_message
+
+            def ids_of(engine) -> list[int]:
+                return _chat_tokens(engine, messages, template_kwargs, generation, bool(body.add_special_tokens))
+        else:
+            def ids_of(engine) -> list[int]:
+                return _text_tokens(engine, body.prompt, body.add_special_tokens is not False)
+
+        def tokens(engine) -> dict:
+            ids = ids_of(engine)
+            reply = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+            if body.return_token_strs:
+                reply["token_strs"] = engine.tokenizer.convert_ids_to_tokens(ids)
+            return reply
+
+        with _api_errors(aengine, "messages" if body.messages is not None else "prompt"):
+            return await aengine.call(tokens)    # on the loop thread, where the tokenizer is used
+
+    @app.post("/detokenize", dependencies=[Depends(require_key)])
+    async def detokenize(body: DetokenizeRequest):
+        check_known_fields(body)
+        if body.model is not None:
+            check_model(body.model)
+        vocab = aengine.engine.loaded.spec.vocab_size
+        outside = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise APIError(400, f"token id {outside} is outside the vocabulary: ids must be in [0, {vocab})",
+                           param="tokens")
+
+        def text(engine) -> str:
+            if engine.tokenizer is None:
+                raise UserError(f"model {engine.model_path} has no tokenizer")
+            return engine.tokenizer.decode(body.tokens)     # special tokens kept, as vLLM's
+
+        with _api_errors(aengine, "tokens"):
+            return {"prompt": await aengine.call(text)}
+
     # -- generation -----------------------------------------------------------------------------------------
     @app.post("/v1/chat/completions", dependencies=[Depends(require_key)])
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
         check_extra_fields(body)
-        messages = chat_messages(body)
-        if settings.system_prompt and not any(m["role"] == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": settings.system_prompt})
+        messages, template_kwargs, offered, forced = _chat_input(body, settings)
         params = _sampling_params(body, body.max_completion_tokens or body.max_tokens, settings)
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         top = body.top_logprobs or 0
         params = params.with_(logprobs=top if body.logprobs else None)
         tokenizer = aengine.engine.tokenizer
-        offered, forced = tools.chosen_tools(tools.checked_tools(body.tools), body.tool_choice)
         family = tools.family_of(getattr(tokenizer, "chat_template", None))
-        template_kwargs = dict(settings.template_kwargs or {}, **({"tools": offered} if offered else {}))
         if forced:
             if params.grammar is not None:
                 raise APIError(400, "tool_choice required or named cannot be combined with response_format",
                                param="tool_choice")
             params = params.with_(grammar=tools.call_grammar(offered, family, body.parallel_tool_calls is not False))
-        messages = tools.template_messages(messages)
 
         drop = (body.context_overflow or settings.context_overflow) == "drop-oldest"
 
@@ -229,6 +281,40 @@ def _encode_vector(vector: list[float], encoding_format: str):
 
 
 # -- request -> engine ------------------------------------------------------------------------------------------
+def _chat_input(body: ChatCompletionRequest | TokenizeRequest,
+                settings: ServeSettings) -> tuple[list, dict, list, bool]:
+    """(messages, template kwargs, tools offered, must one be called) as the chat template gets them. Chat
+    completions and /tokenize both build their prompt here, so /tokenize's ids are the completion's."""
+    messages = chat_messages(body)
+    if settings.system_prompt and not any(m["role"] == "system" for m in messages):
+        messages.insert(0, {"role": "system", "content": settings.system_prompt})
+    offered, forced = tools.chosen_tools(tools.checked_tools(body.tools), getattr(body, "tool_choice", None))
+    template_kwargs = dict(settings.template_kwargs or {}, **({"tools": offered} if offered else {}))
+    return tools.template_messages(messages), template_kwargs, offered, forced
+
+
+def _text_tokens(engine, prompt: str, add_special_tokens: bool) -> list[int]:
+    if add_special_tokens:
+        return engine.encode(prompt)       # exactly what /v1/completions feeds the model for this text
+    if engine.tokenizer is None:
+        raise UserError(f"model {engine.model_path} has no tokenizer")
+    return list(engine.tokenizer(prompt, add_special_tokens=False).input_ids)
+
+
+def _chat_tokens(engine, messages: list[dict], template_kwargs: dict, add_generation_prompt: bool,
+                 add_special_tokens: bool) -> list[int]:
+    """The chat template's ids (the chat completion's own rendering); with add_special_tokens, the rendered
+    text is tokenized with the tokenizer's special tokens on top (vLLM's meaning: BOS twice, often)."""
+    from pagedchat.prompts import render_chat
+
+    ids = render_chat(engine, messages, template_kwargs, add_generation_prompt)   # and its checks and errors
+    if not add_special_tokens:
+        return ids
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False, **template_kwargs)
+    return list(engine.tokenizer(text).input_ids)
+
+
 def _sampling_params(body, max_tokens: int | None, settings: ServeSettings) -> SamplingParams:
     """Request fields over the model's defaults (models.toml, generation_config.json), by the CLI's rule
     (settings.merge_sampling): the model's own stop strings stay in force, the request's are added."""
@@ -280,8 +366,15 @@ def _context_error(e: ContextTooLong | PoolTooSmall, param: str) -> APIError:
 
 async def _submit(aengine: AsyncEngine, prompts, params: SamplingParams, param: str) -> RequestGroup:
     """Queue the prompts; errors raised while building or adding them become 400s (nothing is queued)."""
-    try:
+    with _api_errors(aengine, param):
         return await aengine.add(prompts, params)
+
+
+@contextmanager
+def _api_errors(aengine: AsyncEngine, param: str | None):
+    """Errors of work done on the engine loop (templates, tokenizer, engine checks) as OpenAI errors."""
+    try:
+        yield
     except APIError:
         raise
     except GrammarError as e:
@@ -404,10 +497,16 @@ class _Reply:
                 text = self._echoed(slot) + c.text if not self.chat else c.text
                 text, calls = self._tool_calls(text) if self.chat else (text, [])
                 finish = "tool_calls" if calls else _finish(c.finish_reason)
-                choices.append(self._choice(slot * self.n + c.index, text, finish, logprobs=logprobs,
-                                            tool_calls=[call.openai() for call in calls], ids=c.token_ids))
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                choice = self._choice(slot * self.n + c.index, text, finish, logprobs=logprobs,
+                                      tool_calls=[call.openai() for call in calls], ids=c.token_ids)
+                if self.token_ids and not self.chat:    # vLLM's: each completion choice names its prompt
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
+                choices.append(choice)
+        body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": _usage(outputs), "system_fingerprint": None}
+        if self.token_ids and self.chat:      # vLLM's: the ids the chat template gave, beside the reply's
+            body["prompt_token_ids"] = list(outputs[0].prompt_token_ids)
+        return body
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",

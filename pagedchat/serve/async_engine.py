@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from pagedchat.engine import Engine, RequestOutput, SamplingParams, TokenEvent
+from pagedchat.serve.metrics import ServerMetrics
 
 log = logging.getLogger("pagedchat.serve")
 CHECKPOINT_INTERVAL_S = 30.0   # a server that never goes idle still saves its cached KV blocks this often
@@ -107,6 +108,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self.counters = Counters()
+        self.metrics = ServerMetrics()    # GET /metrics; recorded on the loop thread
         self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
         self._wake = threading.Condition()
         self._stopping = False
@@ -162,8 +164,9 @@ class AsyncEngine:
         """Queue one engine request per prompt (each a callable building token ids on the loop thread, where
         the tokenizer lives). Raises the engine's errors (too long, bad ids) before anything is queued."""
         group = RequestGroup(self, len(prompts))
+        arrived = time.perf_counter()    # latencies count the wait for the step boundary too
         try:
-            await self.call(lambda engine: self._add_group(engine, group, prompts, params))
+            await self.call(lambda engine: self._add_group(engine, group, prompts, params, arrived))
         except asyncio.CancelledError:
             group.abort()       # the add may still run: the abort command is queued behind it
             raise
@@ -235,10 +238,12 @@ class AsyncEngine:
     def _dispatch(self, events: list[TokenEvent]) -> None:
         batches: dict[RequestGroup, list] = {}
         ended: list[str] = []
+        now = time.perf_counter()
         for event in events:
             owner = self._slots.get(event.request_id)
             if owner is None:
                 continue
+            self.metrics.tokens(event, now)
             group, slot = owner
             batches.setdefault(group, []).append(Token(slot, event))
             if event.finish_reason is not None:
@@ -249,11 +254,13 @@ class AsyncEngine:
             group, slot = self._slots.pop(rid)
             output = self.engine.pop_output(rid)
             self.counters.failed += output.error is not None
+            self.metrics.done(output, now)
             batches.setdefault(group, []).append(Done(slot, output))
         for group, items in batches.items():
             group._push(items)
 
-    def _add_group(self, engine: Engine, group: RequestGroup, prompts, params: SamplingParams) -> None:
+    def _add_group(self, engine: Engine, group: RequestGroup, prompts, params: SamplingParams,
+                   arrived: float) -> None:
         token_ids = [prepare(engine) for prepare in prompts]   # template/tokenizer errors: nothing added yet
         try:
             for slot, ids in enumerate(token_ids):
@@ -262,20 +269,23 @@ class AsyncEngine:
                 group.prompt_ids[slot] = ids
                 self._slots[rid] = (group, slot)
                 self.counters.total += 1
+                self.metrics.started(rid, len(ids), arrived)
         except BaseException:
-            self._drop(engine, group)
+            self._drop(engine, group, reason=None)    # the call is refused whole: none of it counts as served
             raise
 
     def _abort_group(self, engine: Engine, group: RequestGroup) -> None:
         self.counters.aborted += self._drop(engine, group)
 
-    def _drop(self, engine: Engine, group: RequestGroup) -> int:
-        """Abort and forget the group's live requests (frees their blocks); returns how many there were."""
+    def _drop(self, engine: Engine, group: RequestGroup, reason: str | None = "abort") -> int:
+        """Abort and forget the group's live requests (frees their blocks); returns how many there were.
+        reason: how /metrics counts their end (None: not at all)."""
         dropped = 0
         for rid in group.request_ids:
             if rid is not None and self._slots.pop(rid, None) is not None:
                 engine.abort(rid)
                 engine.pop_output(rid)
+                self.metrics.ended(rid, reason)
                 dropped += 1
         return dropped
 
@@ -283,7 +293,7 @@ class AsyncEngine:
         groups = {group for group, _ in self._slots.values()}
         for group in groups:
             try:
-                self.counters.failed += self._drop(self.engine, group)
+                self.counters.failed += self._drop(self.engine, group, reason="error")
             except Exception:
                 log.exception("aborting after an engine error failed")
             group._push([failure])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pagedchat.engine.core.grammar import GrammarSpec
 from pagedchat.engine.core.logprobs import MAX_TOP_LOGPROBS
@@ -103,6 +103,49 @@ class CompletionRequest(_GenerationRequest):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)   # alternatives per token
     echo: Optional[bool] = False                                       # the prompt (and its scores) first
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a text `prompt`, or chat `messages` rendered by the chat template as a chat
+    completion renders them. add_special_tokens (BOS and the like) defaults as vLLM's does: true for a
+    prompt, false for messages (the template writes its own)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: Optional[list[dict[str, Any]]] = None
+    return_token_strs: Optional[bool] = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: Optional[str] = None
+    tokens: list[StrictInt]        # strict: "5" or 5.0 is a client's mistake, not an id
+
+
+def check_tokenize_request(request: TokenizeRequest) -> None:
+    """Exactly one of prompt and messages; the chat-only switches used consistently."""
+    check_known_fields(request)
+    if (request.prompt is None) == (request.messages is None):
+        raise APIError(400, "give either \"prompt\" (text) or \"messages\" (a chat), not "
+                            f"{'both' if request.prompt is not None else 'neither'}", param="prompt")
+    if request.continue_final_message and request.add_generation_prompt \
+            and "add_generation_prompt" in request.model_fields_set:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")
+
+
+def check_known_fields(request: BaseModel) -> None:
+    """Fields the model does not declare are refused by name (OpenAI's wording), not silently ignored."""
+    for name in request.model_extra or {}:
+        if name not in IGNORED_FIELDS:
+            raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name)
 
 
 # -- fields OpenAI defines that we do not implement -----------------------------------------------------------
