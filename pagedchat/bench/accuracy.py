@@ -32,22 +32,28 @@ from pathlib import Path
 from pagedchat.errors import UserError
 
 MODES = {"fp": {}, "int8": {"quantize": "int8"}, "int4": {"quantize": "int4"},
-         "kv-int8": {"kv_dtype": "int8"}, "kv-fp8": {"kv_dtype": "fp8"}}
+         "kv-int8": {"kv_dtype": "int8"}, "kv-fp8": {"kv_dtype": "fp8"}, "file": {}}
+# On a GGUF file, fp is its weights dequantized and `file` runs them in the file's own block formats.
+GGUF_MODES = {"fp": {"quantize": "none"}, "file": {}}
 EVAL_SEEDS = (777, 778)  # 777: scripts/eval_demo_model.py's questions; 778: new ones of the same kinds
 # Public domain (Lewis Carroll, 1865): the opening of Alice's Adventures in Wonderland.
 PROSE = ("assets", "text", "alice.txt")
+# A real model's text also has the Declaration of Independence (1776, public domain): 2.4k tokens together.
+LONG_PROSE = (PROSE, ("assets", "text", "declaration.txt"))
 DEMO_TEXT_CONVERSATIONS = 120
 DEMO_TEXT_SEED = 4242
 
 
-def mode_settings(mode: str) -> dict:
+def mode_settings(mode: str, gguf: bool = False) -> dict:
     """EngineConfig fields of a mode; one clear line for a mode this build cannot run."""
     from dataclasses import fields
 
     from pagedchat.engine import EngineConfig
 
-    if mode not in MODES:
-        raise UserError(f"--modes takes {', '.join(MODES)}; got {mode!r}")
+    if mode not in MODES or (mode == "file") != (gguf and mode == "file"):
+        raise UserError(f"--modes takes {', '.join(m for m in MODES if gguf or m != 'file')}; got {mode!r}")
+    if gguf and mode in GGUF_MODES:
+        return GGUF_MODES[mode]
     missing = set(MODES[mode]) - {f.name for f in fields(EngineConfig)}
     if missing:
         raise UserError(f"mode {mode} needs --kv-dtype, which this build does not have")
@@ -59,7 +65,7 @@ def _engine(path: Path, device: str, mode: str, max_len: int):
 
     # No prefix cache: the teacher-forced passes write into the pool's first blocks directly.
     config = EngineConfig(model=str(path), device=device, kv_memory="256MiB", max_model_len=max_len,
-                          enable_prefix_cache=False, **mode_settings(mode))
+                          enable_prefix_cache=False, **mode_settings(mode, _is_gguf(path)))
     return Engine(config, show_progress=False)
 
 
@@ -116,8 +122,10 @@ def demo_text(tokenizer) -> tuple[list[int], list[bool]]:
     return ids, scored
 
 
-def prose_text(tokenizer) -> tuple[list[int], list[bool]]:
-    ids = _ids(tokenizer(resources.files("pagedchat").joinpath(*PROSE).read_text()).input_ids)
+def prose_text(tokenizer, long: bool = False) -> tuple[list[int], list[bool]]:
+    files = LONG_PROSE if long else (PROSE,)
+    text = "\n\n".join(resources.files("pagedchat").joinpath(*f).read_text().strip() for f in files)
+    ids = _ids(tokenizer(text).input_ids)
     return ids, [True] * len(ids)
 
 
@@ -150,7 +158,30 @@ def _is_demo(path: Path) -> bool:
 def _tokenizer(path: Path):
     from pagedchat.model.loader import load_tokenizer
 
-    return load_tokenizer(Path(path), False, None) if (Path(path) / "tokenizer.json").exists() else None
+    if _is_gguf(path) or (Path(path) / "tokenizer.json").exists():
+        return load_tokenizer(Path(path), False, None)
+    return None
+
+
+def _is_gguf(path: Path) -> bool:
+    from pagedchat.model.gguf.locate import looks_like_gguf
+
+    return Path(path).is_file() and looks_like_gguf(Path(path))
+
+
+def _limits(path: Path) -> tuple[int, int]:
+    """(context length, vocabulary size) of a model folder or a GGUF file."""
+    if _is_gguf(path):
+        from pagedchat.model.gguf.arch import config_from_gguf
+        from pagedchat.model.gguf.locate import resolve_gguf
+        from pagedchat.model.gguf.reader import open_gguf
+
+        config = config_from_gguf(open_gguf(resolve_gguf(str(path))))
+    else:
+        from pagedchat.model.loader import load_config
+
+        config = load_config(Path(path), False)
+    return config.max_position_embeddings, config.vocab_size
 
 
 def _greedy_prompts(tokenizer, items, vocab: int, count: int, seed: int) -> list[list[int]]:
@@ -172,21 +203,22 @@ INSTRUCTIONS = ["Tell me a short story about a cat.", "What is the capital of Fr
 
 def run_accuracy_bench(path: Path, name: str, modes: list[str], device: str = "cpu", tokens: int = 256,
                        prompts: int = 6, per_family: int = 30, peer: str | None = None, seed: int = 0) -> dict:
-    """Every mode against "fp" (always run first, as the reference) on the same prompts, text and questions."""
-    from pagedchat.model.loader import load_config
-
+    """Every mode against "fp" (always run first, as the reference) on the same prompts, text and questions.
+    On a GGUF file, fp is the file's weights dequantized, `file` its own block formats, and the llama.cpp peer
+    scores the same file."""
+    gguf = _is_gguf(path)
     for mode in modes:
-        mode_settings(mode)
+        mode_settings(mode, gguf)
     modes = ["fp"] + [m for m in dict.fromkeys(modes) if m != "fp"]
-    config = load_config(Path(path), False)
-    limit = config.max_position_embeddings
+    limit, vocab = _limits(path)
     tokenizer = _tokenizer(path)
     demo = tokenizer is not None and _is_demo(path)
     items = demo_questions(tokenizer, per_family) if demo else []
-    greedy = _greedy_prompts(tokenizer, items, config.vocab_size, prompts, seed)
+    greedy = _greedy_prompts(tokenizer, items, vocab, prompts, seed)
     tokens = min(tokens, limit - max(len(p) for p in greedy))
     window = min(limit - 1, 512)  # one position left for the token the scoring request generates
-    text = (demo_text(tokenizer) if demo else prose_text(tokenizer)) if tokenizer is not None else ([], [])
+    text = (demo_text(tokenizer) if demo else prose_text(tokenizer, long=gguf)) if tokenizer is not None \
+        else ([], [])
     windows = text_windows(*text, window)
     result = {"model": name, "device": device, "modes": {}, "greedy_tokens": tokens, "greedy_prompts": len(greedy),
               "text": {"kind": "demo conversations' replies" if demo else ("prose" if windows else None),
@@ -206,7 +238,8 @@ def run_accuracy_bench(path: Path, name: str, modes: list[str], device: str = "c
         if fp and row.get("perplexity"):
             row["perplexity_increase"] = row["perplexity"] / fp - 1
     if peer is not None:
-        result["llama.cpp"] = llama_cpp_perplexity(Path(path), windows)
+        result["llama.cpp"] = llama_cpp_file_perplexity(Path(path), windows) if gguf else \
+            llama_cpp_perplexity(Path(path), windows)
     return result
 
 
@@ -255,12 +288,39 @@ def _logit_error(engine, greedy, first_divergence, reference: dict) -> dict:
 LLAMA_CPP_PPL_TYPES = ("F32", "Q8_0", "Q4_0")
 
 
+def llama_cpp_file_perplexity(path: Path, windows: list[Window]) -> dict:
+    """llama.cpp's perplexity of the same windows on the same GGUF file, in its own formats."""
+    from pagedchat.bench.batch1 import llama_cpp_available
+
+    if not llama_cpp_available():
+        return {"note": "llama.cpp peer skipped: llama-cpp-python is not installed (pip install llama-cpp-python)"}
+    return {"file": {"perplexity": _llama_cpp_windows_perplexity(path, windows)}}
+
+
+def _llama_cpp_windows_perplexity(path: Path, windows: list[Window]) -> float:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=max(len(w) for w, _ in windows), n_batch=512, logits_all=True,
+                verbose=False)
+    nll = count = 0
+    for ids, scored in windows:
+        llm.reset()
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)  # row i predicts token i + 1
+        top = logits.max(axis=1, keepdims=True)
+        logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
+        keep = np.asarray(scored[1:])
+        nll += float((logz - logits[np.arange(len(ids) - 1), ids[1:]])[keep].sum())
+        count += int(keep.sum())
+    del llm
+    return math.exp(nll / count)
+
+
 def llama_cpp_perplexity(model_dir: Path, windows: list[Window]) -> dict:
     """llama.cpp's perplexity of the same windows for each GGUF type, with Q/K rows in its rotary layout so its
     logits are the model's. The embedding stays F32 and the LM head takes the type, as in our int modes."""
     import tempfile
-
-    import numpy as np
 
     from pagedchat.bench.batch1 import llama_cpp_available, write_gguf
 
@@ -269,26 +329,11 @@ def llama_cpp_perplexity(model_dir: Path, windows: list[Window]) -> dict:
                         "(pip install llama-cpp-python gguf)"}
     if not windows:
         return {"note": "llama.cpp peer skipped: the model has no tokenizer, so there is no text to score"}
-    from llama_cpp import Llama
-
     out = {}
     with tempfile.TemporaryDirectory(prefix="pagedchat-accuracy-") as tmp:
         for kind in LLAMA_CPP_PPL_TYPES:
             gguf = write_gguf(model_dir, Path(tmp) / f"model-{kind}.gguf", kind, exact=True)
-            llm = Llama(model_path=str(gguf), n_ctx=max(len(w) for w, _ in windows), n_batch=512,
-                        logits_all=True, verbose=False)
-            nll = count = 0
-            for ids, scored in windows:
-                llm.reset()
-                llm.eval(ids)
-                logits = np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)  # row i predicts token i + 1
-                top = logits.max(axis=1, keepdims=True)
-                logz = top[:, 0] + np.log(np.exp(logits - top).sum(axis=1))
-                keep = np.asarray(scored[1:])
-                nll += float((logz - logits[np.arange(len(ids) - 1), ids[1:]])[keep].sum())
-                count += int(keep.sum())
-            del llm
-            out[kind] = {"perplexity": math.exp(nll / count)}
+            out[kind] = {"perplexity": _llama_cpp_windows_perplexity(gguf, windows)}
     for kind in LLAMA_CPP_PPL_TYPES:
         out[kind]["perplexity_increase"] = out[kind]["perplexity"] / out["F32"]["perplexity"] - 1
     return out
@@ -318,6 +363,10 @@ def print_accuracy_report(r: dict) -> None:
     peer = r.get("llama.cpp")
     if peer and "note" in peer:
         print(peer["note"])
+    elif peer and "file" in peer:
+        ours = r["modes"].get("file", r["modes"]["fp"]).get("perplexity")
+        ratio = f" (pagedchat / llama.cpp = {ours / peer['file']['perplexity']:.4f})" if ours else ""
+        print(f"llama.cpp on the same file and windows: {peer['file']['perplexity']:.4f}{ratio}")
     elif peer:
         print("llama.cpp on the same windows: " + ", ".join(
             f"{k} {v['perplexity']:.4f} ({v['perplexity_increase']:+.2%})" for k, v in peer.items()))

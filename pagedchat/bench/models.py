@@ -77,9 +77,9 @@ def resolve_model(model: str | None, random_arch: str | None, random_size: str, 
     from pagedchat.registry import Registry
 
     entry = Registry().resolve(model or None)    # no -m: the registry's default model (the shipped demo)
-    if not Path(entry.path).is_dir():
-        raise UserError(f"model {model!r} resolves to {entry.path}, which is not a local folder")
-    return Path(entry.path), entry.name
+    if Path(entry.path).is_dir() or Path(entry.path).is_file():   # a folder, or a GGUF file
+        return Path(entry.path), entry.name
+    raise UserError(f"model {model!r} resolves to {entry.path}, which is not a local folder or GGUF file")
 
 
 DEMO_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

