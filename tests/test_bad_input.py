@@ -160,7 +160,7 @@ def test_model_folder_with_missing_or_corrupt_files(cli, model, tmp_path, case):
 
 def test_model_path_is_a_file(cli, model):
     code, _, err = cli("run", "-m", str(model / "config.json"), "hi")
-    assert_one_line(code, err, "is a file")
+    assert_one_line(code, err, "neither an HF model folder nor a GGUF file")
 
 
 @pytest.mark.parametrize("arch,model_type", [("GPT2LMHeadModel", "gpt2"), ("Qwen2MoeForCausalLM", "qwen2_moe"),
