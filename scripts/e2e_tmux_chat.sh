@@ -5,6 +5,9 @@
 #   /switch, /regen, /stats, Ctrl-C during a reply, /exit;
 # then checks that no traceback ever reached the screen and that the saved session file holds every variant.
 #
+# With E2E_MODEL (a model reference: a GGUF file, say) the same steps run on that model instead (E2E_ARGS: more
+# flags for `chat`), and the session is reopened in a second REPL and continued.
+#
 # Usage: scripts/e2e_tmux_chat.sh [WORKDIR]     (needs tmux; env PAGEDCHAT overrides the command to run)
 # Exit status 0 = pass. The screen is kept in WORKDIR/screen.txt.
 set -euo pipefail
@@ -48,6 +51,8 @@ type_line() { tmx send-keys -t e2e -l -- "$1"; tmx send-keys -t e2e Enter; }
 STATS='prompt [0-9]+ new \+ [0-9]+ cached'
 
 # -- a model and a private XDG home -----------------------------------------------------------------------
+MODEL="${E2E_MODEL:-$WORK/model}"
+if [[ -z "${E2E_MODEL:-}" ]]; then
 "$PYTHON" - "$REPO/tests" "$WORK/model" <<'EOF' >/dev/null 2>&1
 import sys
 sys.path.insert(0, sys.argv[1])
@@ -61,13 +66,14 @@ with torch.no_grad():
 model.save_pretrained(sys.argv[2])
 EOF
 pass "built a tiny llama model in $WORK/model"
+fi
 export XDG_DATA_HOME="$WORK/data" XDG_CONFIG_HOME="$WORK/config"
 SESSION_FILE="$XDG_DATA_HOME/pagedchat/sessions/e2e.json"
 
 # -- start the REPL ------------------------------------------------------------------------------------------
 tmx new-session -d -s e2e -x 140 -y 50 \
     "cd '$WORK' && XDG_DATA_HOME='$XDG_DATA_HOME' XDG_CONFIG_HOME='$XDG_CONFIG_HOME' $PAGEDCHAT chat \
-     -m '$WORK/model' --session e2e --device cpu --kv-memory 16MiB --temperature 0; \
+     -m '$MODEL' --session e2e --device cpu --kv-memory 16MiB --temperature 0 ${E2E_ARGS:-}; \
      echo \"PAGEDCHAT-EXIT=\$?\"; sleep 600"
 wait_for '^>>>'
 pass "REPL started"
@@ -122,6 +128,25 @@ type_line "/exit"
 wait_for 'PAGEDCHAT-EXIT=0'
 pass "/exit"
 
+# -- the session reopened in a new REPL, continued ------------------------------------------------------------
+if [[ -n "${E2E_MODEL:-}" ]]; then
+    tmx kill-session -t e2e
+    tmx new-session -d -s e2e -x 140 -y 50 \
+        "cd '$WORK' && XDG_DATA_HOME='$XDG_DATA_HOME' XDG_CONFIG_HOME='$XDG_CONFIG_HOME' $PAGEDCHAT chat \
+         -m '$MODEL' --session e2e --device cpu --kv-memory 16MiB --temperature 0 ${E2E_ARGS:-}; \
+         echo \"PAGEDCHAT-EXIT=\$?\"; sleep 600"
+    wait_for '^>>>'
+    type_line "/tree"
+    wait_for 'v3 “'
+    type_line "/set max_tokens 16"
+    wait_for 'max_tokens = 16'
+    type_line "and one more thing?"
+    wait_for "$STATS" 1
+    type_line "/exit"
+    wait_for 'PAGEDCHAT-EXIT=0'
+    pass "the saved session reopened with its tree and took another turn"
+fi
+
 screen > "$WORK/screen.txt"
 if grep -qE 'Traceback|internal error' "$WORK/screen.txt"; then fail "a traceback or internal error reached the screen"; fi
 pass "no traceback on screen"
@@ -139,7 +164,8 @@ assert len({n["parent"] for n in variants}) == 1, "variants are not siblings"
 assert all(n["token_ids"] and n["role"] == "assistant" for n in variants), "a variant lost its tokens"
 assert any(n["interrupted"] for n in nodes), "the interrupted reply was not saved"
 replies = [n for n in nodes if n["role"] == "assistant"]
-assert len(replies) == 1 + 1 + 3 + 1 + 1, f"expected 7 replies, found {len(replies)}"
+reopened = 1 if os.environ.get("E2E_MODEL") else 0
+assert len(replies) == 1 + 1 + 3 + 1 + 1 + reopened, f"expected {7 + reopened} replies, found {len(replies)}"
 print(f"ok: session file {path}: {len(nodes)} nodes, variants {[n['id'] for n in variants]}, mode 0600")
 EOF
 echo "PASS: pagedchat chat end to end in tmux (screen in $WORK/screen.txt)"

@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from pagedchat.bench.real_models import MODELS, fetch
+from pagedchat.bench.real_models import MODELS, fetch, llama_cpp_vocab
 
 
 def real_file(name: str) -> Path:
+    """A real model by name (smollm2, gemma3), or llama.cpp's vocabulary file `ggml-vocab-NAME`."""
     try:
+        if name.startswith("ggml-vocab-"):
+            return llama_cpp_vocab(name.removeprefix("ggml-vocab-"))
         return fetch(MODELS[name])
     except RuntimeError as e:
         if os.environ.get("CI"):

