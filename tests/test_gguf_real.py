@@ -99,3 +99,25 @@ def test_perplexity_within_one_percent_of_llama_cpp_on_the_same_file(name):
     windows = text_windows(*prose_text(eng.tokenizer, long=True), 512)
     ours, theirs = perplexity(eng, windows), _llama_cpp_windows_perplexity(real_file(name), windows)
     assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
+
+
+def test_serve_answers_the_openai_client_with_a_real_model():
+    """`pagedchat serve -m FILE.gguf` behind the openai client: a streamed chat reply, and /tokenize giving the
+    ids that reply's prompt had."""
+    import httpx
+    from openai import OpenAI
+
+    from serve_util import serving_model
+
+    with serving_model(real_file("smollm2"), "smollm2", kv_memory="64MiB") as (url, _):
+        client = OpenAI(base_url=url, api_key="none")
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        chunks = client.chat.completions.create(model="smollm2", messages=messages, temperature=0, max_tokens=24,
+                                                stream=True, stream_options={"include_usage": True})
+        parts, usage = [], None
+        for chunk in chunks:
+            parts += [c.delta.content or "" for c in chunk.choices]
+            usage = chunk.usage or usage
+        assert "Paris" in "".join(parts)
+        tokens = httpx.post(url.removesuffix("/v1") + "/tokenize", json={"messages": messages}).json()
+        assert tokens["count"] == usage.prompt_tokens == len(tokens["tokens"])

@@ -67,3 +67,13 @@ def test_a_batch_has_each_prompts_ids(pagedchat_cli, tokenizer, tmp_path):
         [chat_ids(tokenizer, job["prompt"], job.get("system")) for job in jobs]
     for result in report["results"]:
         assert result["usage"]["prompt_tokens"] == len(result["prompt_token_ids"])
+
+
+def test_a_session_turn_reports_the_whole_path_it_saw(pagedchat_cli, tokenizer):
+    """With --session the second turn's prompt is the first exchange's exact tokens plus the new message."""
+    first = run_json(pagedchat_cli, "--session", "ids", "--temperature", "0", "what is 2 + 3?")
+    second = run_json(pagedchat_cli, "--session", "ids", "--temperature", "0", "and 4 + 5?")
+    history = first["prompt_token_ids"] + first["outputs"][0]["token_ids"]
+    assert first["prompt_token_ids"] == chat_ids(tokenizer, "what is 2 + 3?")
+    assert second["prompt_token_ids"][:len(history)] == history
+    assert second["usage"]["prompt_tokens"] == len(second["prompt_token_ids"])

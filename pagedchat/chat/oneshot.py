@@ -93,6 +93,7 @@ def _report(ctl, result) -> dict:
         "model": ctl.entry.name,
         "session": {"name": ctl.session.name, "user_node": result.user.id if result.user else None,
                     "reply_nodes": [r.id for r in result.replies], "head": ctl.session.head},
+        "prompt_token_ids": stats.get("prompt_token_ids"),   # the whole path the model saw (None: a server's)
         "outputs": [{"text": r.text, "token_ids": r.token_ids, "finish_reason": r.finish_reason}
                     for r in result.replies],
         "usage": {"prompt_tokens": stats["prompt_tokens"], "completion_tokens": stats["completion_tokens"],

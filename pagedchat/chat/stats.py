@@ -21,7 +21,7 @@ def turn_stats(backend, prompt: list[int], out, capped: int | None, n: int) -> d
             "tokens_per_s": decoded / decode_s if decode_s and decoded > 0 else None,
             "completion_tokens": completion, "variants": len(out.outputs),
             "variants_requested": n,
-            "prompt_tokens": size, "prompt_cached": out.prefix_hit_tokens,
+            "prompt_tokens": size, "prompt_token_ids": list(prompt) or None, "prompt_cached": out.prefix_hit_tokens,
             "prompt_new": size - out.prefix_hit_tokens,
             "context_tokens": size + max((len(v.token_ids) for v in out.outputs), default=0),
             "max_context": backend.max_model_len, "capped_max_tokens": capped,
