@@ -27,35 +27,37 @@ FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: nothing to keep in a block format
 
 def load_gguf(paths: list[Path], dev: torch.device, dtype: str, max_model_len: int | None, show_progress: bool,
               chat_template: str | None, quantize: str | None):
-    from pagedchat.model.gguf.tokenizer import load_gguf_tokenizer, stop_token_ids
     from pagedchat.model.loader import LoadedModel, build_empty_model, finish_model, resolve_dtype
 
     gguf = open_gguf(paths)
     config = gguf_arch.config_from_gguf(gguf)
     keep_blocks = _keep_blocks(gguf, quantize)
     torch_dtype = resolve_dtype(dtype, dev)
-    tokenizer = load_gguf_tokenizer(gguf.metadata, str(paths[0]))
-    if chat_template:
-        tokenizer.chat_template = chat_template
+    tokenizer, stop_ids = _tokenizer(gguf, chat_template)
     model, spec, limit = build_empty_model(config, dev, torch_dtype, max_model_len)
     load_tensors(model, gguf, config, keep_blocks)
     finish_model(model, dev, torch_dtype, None if keep_blocks or quantize == "none" else quantize)
-    return LoadedModel(paths[0], config, spec, model, tokenizer, stop_token_ids(gguf.metadata, tokenizer), limit,
-                       torch_dtype, dev)
+    return LoadedModel(paths[0], config, spec, model, tokenizer, stop_ids, limit, torch_dtype, dev)
 
 
 def read_tokenizer(path: Path, chat_template: str | None = None):
     """(tokenizer, end-of-generation ids, context limit) of a GGUF model from its header alone (remote mode
     renders prompts with it; no weights are read)."""
     from pagedchat.model.gguf.locate import resolve_gguf
-    from pagedchat.model.gguf.tokenizer import load_gguf_tokenizer, stop_token_ids
 
     gguf = open_gguf(resolve_gguf(str(path)) or [Path(path)])
+    limit = gguf.get("context_length")
+    return (*_tokenizer(gguf, chat_template), int(limit) if limit else None)
+
+
+def _tokenizer(gguf: GGUFFile, chat_template: str | None):
+    """The file's tokenizer (its template replaced by `chat_template` if given) and its end-of-generation ids."""
+    from pagedchat.model.gguf.tokenizer import load_gguf_tokenizer, stop_token_ids
+
     tokenizer = load_gguf_tokenizer(gguf.metadata, str(gguf.paths[0]))
     if chat_template:
         tokenizer.chat_template = chat_template
-    limit = gguf.get("context_length")
-    return tokenizer, stop_token_ids(gguf.metadata, tokenizer), int(limit) if limit else None
+    return tokenizer, stop_token_ids(gguf.metadata, tokenizer)
 
 
 def _keep_blocks(gguf: GGUFFile, quantize: str | None) -> bool:
