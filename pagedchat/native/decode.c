@@ -9,7 +9,9 @@
  * path's, in fp32, in another summation order (as one GEMM shape already differs from another).
  *
  * Linear layers keep the checkpoint's [out, in] layout: fp32, int8 with one fp32 scale per output row
- * (pagedchat/model/quantize.py), or int4 in groups of 32 (pagedchat/model/int4.py). A tile of rows x sequences
+ * (pagedchat/model/quantize.py), int4 in groups of 32 (pagedchat/model/int4.py), or a GGUF file's block formats
+ * as the file stores them (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: pagedchat/model/gguf; see "GGUF
+ * block formats" below). A tile of rows x sequences
  * shares every load: at batch 1 the weights stream once at the memory-bandwidth floor; at batch 16 each weight
  * load feeds several sequences. The pool holds fp32 K/V, or int8 with one float16 scale per (slot, kv head)
  * (kernels/kv_quant.py), written here exactly as quantize_kv writes them.
@@ -36,13 +38,21 @@
 #define STR_(x) #x
 #define STR(x) STR_(x)
 
-enum { FMT_F32 = 0, FMT_I8 = 1, FMT_I4 = 2 };
+/* A GGUF format is FMT_GGML + its ggml type number (pagedchat/model/gguf/reader.py GGMLType). */
+enum { FMT_F32 = 0, FMT_I8 = 1, FMT_I4 = 2, FMT_GGML = 100 };
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
+       GGML_Q6_K = 14 };
 
-typedef struct {
-    const void *weight;    /* [out, in] float or int8; int4: [out, in / 2] packed bytes */
-    const void *scales;    /* int8: float [out]; int4: float16 [out, in / 32]; fp32: NULL */
+typedef struct Linear {
+    const void *weight;    /* [out, in] float or int8; int4: [out, in / 2] packed bytes; GGUF: the file's rows */
+    const void *scales;    /* int8: float [out]; int4: float16 [out, in / 32]; fp32, GGUF: NULL */
     const float *bias;     /* [out] or NULL */
     int64_t out, in, format;
+    /* A layer whose rows come in several formats (a GGUF file keeps q, k and v, or gate and up, apart, each in
+     * its own type): the first `rows` rows are `weight` in `format`, the rest are `next`'s (its rows, weight
+     * and format; its out and bias unused). Otherwise rows == out and next == NULL. */
+    int64_t rows;
+    const struct Linear *next;
 } Linear;
 
 typedef struct {
@@ -430,6 +440,25 @@ static void quantize_pairs(const float *x, int64_t n_pairs, int8_t *q, float *d4
     }
 }
 
+/* GGUF blocks' fields, in any build */
+INLINE float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return f16_to_f32(h);
+}
+
+/* Q4_K and Q5_K's 6-bit scale and min of sub-block j (0-7) from their 12 packed bytes: sub-blocks 0-3 in the low
+ * 6 bits of bytes j (scale) and j + 4 (min); 4-7 take their low 4 bits from byte j + 4's nibbles and their top 2
+ * from the top of bytes j - 4 and j. */
+INLINE void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63, *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
 #if Q8_SIMD
 /* 8 int32 partial sums of |a| * b for 32 unsigned and 32 signed bytes (|a| <= 127: no int16 saturation) */
 INLINE __m256i dot_u8i8(__m256i a, __m256i b) {
@@ -613,6 +642,222 @@ INLINE void tile_q4p(const uint8_t *w, const uint16_t *ws, const Input *in_, int
     reduce_q(a, R, NB, acc);
 }
 
+/* ---- GGUF block formats (AVX2; AVX-512 takes the same 256-bit code, with VNNI as the int8 and int4 tiles) ------
+ * Read in the file's layout, nothing repacked: each block of 32 weights (a K-quant's sub-block, or two of Q6_K's
+ * 16-value ones) is unpacked in registers to 32 integers q and a scale s per lane of dot_u8i8 (lanes 0-3 hold
+ * values 0-15, lanes 4-7 values 16-31), and meets the input's block as tile_q8 and tile_q4 meet theirs: value =
+ * s * (q - offset) + m. Signed q (Q8_0, Q6_K) go through the sign trick with the weight on the unsigned side, as
+ * llama.cpp does, |w| . (x * sign(w)): a Q8_0 block may hold -128, whose |w| = 128 fits a byte (and 2 x 128 x 127
+ * an int16), while x never is -128 (quantize_block's range is +-127). Unsigned q take offset x the input block's
+ * sum off the exact dot product (tile_q4's way); a min m adds m x dx x sum, an eighth in each lane. */
+typedef struct {
+    __m256i q;  /* 32 weights: unsigned, or signed (WSIGNED formats) */
+    __m256 s;   /* their scale, per lane of dot_u8i8's result */
+    float m;    /* added to every value (Q4_1, Q5_1 and the K-quants' mins; else 0) */
+} WBlock;
+
+/* 16 bytes of nibbles in value order: byte j's low nibble is value j, its high nibble value j + 16. */
+INLINE __m256i nibbles32(const uint8_t *p) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(bytes), _mm_srli_epi16(bytes, 4), 1),
+                            _mm256_set1_epi8(0x0f));
+}
+
+/* A little-endian u32's bit j as byte j, 0x10 or 0: value j's fifth bit (Q5_0, Q5_1). */
+INLINE __m256i fifth_bits32(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, 4);
+    const __m256i byte_of_bit = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), byte_of_bit);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);  /* byte j: bit j % 8 */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+INLINE __m256i shift_right16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+
+/* Block k (values 32k .. 32k + 31) of one row in each format. */
+INLINE WBlock wb_q8_0(const uint8_t *row, int64_t k) {  /* d | 32 int8 */
+    const uint8_t *b = row + k * 34;
+    const WBlock w = {_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_ps(f16_at(b)), 0.f};
+    return w;
+}
+INLINE WBlock wb_q4_0(const uint8_t *row, int64_t k) {  /* d | 16 bytes of nibbles; value d * (q - 8) */
+    const uint8_t *b = row + k * 18;
+    const WBlock w = {nibbles32(b + 2), _mm256_set1_ps(f16_at(b)), 0.f};
+    return w;
+}
+/* d and m, side by side at p: d in every lane, and m */
+INLINE __m256 d_and_m(const uint8_t *p, float *m) {
+#if defined(__F16C__)
+    int32_t both;
+    memcpy(&both, p, 4);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(both));  /* one conversion for the two */
+    *m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    return _mm256_broadcastss_ps(dm);
+#else
+    *m = f16_at(p + 2);
+    return _mm256_set1_ps(f16_at(p));
+#endif
+}
+INLINE WBlock wb_q4_1(const uint8_t *row, int64_t k) {  /* d, m | nibbles; value d * q + m */
+    const uint8_t *b = row + k * 20;
+    WBlock w;
+    w.s = d_and_m(b, &w.m);
+    w.q = nibbles32(b + 4);
+    return w;
+}
+INLINE WBlock wb_q5_0(const uint8_t *row, int64_t k) {  /* d | fifth bits | nibbles; value d * (q - 16) */
+    const uint8_t *b = row + k * 22;
+    const WBlock w = {_mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2)), _mm256_set1_ps(f16_at(b)), 0.f};
+    return w;
+}
+INLINE WBlock wb_q5_1(const uint8_t *row, int64_t k) {  /* d, m | fifth bits | nibbles; value d * q + m */
+    const uint8_t *b = row + k * 24;
+    WBlock w;
+    w.s = d_and_m(b, &w.m);
+    w.q = _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4));
+    return w;
+}
+/* A K-quant super-block's sub-block scales (and mins) for one row, decoded once for its 8 blocks of 32. */
+typedef struct {
+    float s[16];  /* Q4_K, Q5_K: d * sc per sub-block of 32; Q6_K: d * sc per sub-block of 16 */
+    float m[8];   /* Q4_K, Q5_K: -dmin * m per sub-block */
+} KScales;
+
+INLINE void no_prep(const uint8_t *block, KScales *ks) { (void)block, (void)ks; }
+
+/* Q4_K and Q5_K: d, dmin | 12 bytes of 6-bit scales and mins (k_scale_min's layout), taken as three 32-bit words:
+ * sub-blocks 0-3 are the low 6 bits of words 0 (scales) and 1 (mins), bytes in order; 4-7 the nibbles of word 2
+ * below the top 2 bits of the bytes of words 0 and 1. */
+INLINE void prep_q4_k(const uint8_t *b, KScales *ks) {
+    uint32_t w[3];
+    memcpy(w, b + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, nib = 0x0f0f0f0f, top2 = 0x03030303;
+    const uint32_t sc[2] = {w[0] & low6, (w[2] & nib) | (((w[0] >> 6) & top2) << 4)};
+    const uint32_t mn[2] = {w[1] & low6, ((w[2] >> 4) & nib) | (((w[1] >> 6) & top2) << 4)};
+    const __m256 d = _mm256_set1_ps(f16_at(b)), minus_dmin = _mm256_set1_ps(-f16_at(b + 2));
+    const __m256 sc8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+    const __m256 mn8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
+    _mm256_storeu_ps(ks->s, _mm256_mul_ps(sc8, d));
+    _mm256_storeu_ps(ks->m, _mm256_mul_ps(mn8, minus_dmin));
+}
+/* Q6_K: 16 int8 scales at 192, d at 208 */
+INLINE void prep_q6_k(const uint8_t *b, KScales *ks) {
+    const __m256 d = _mm256_set1_ps(f16_at(b + 208));
+    for (int h = 0; h < 2; h++)
+        _mm256_storeu_ps(ks->s + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)))), d));
+}
+
+/* Q4_K: d, dmin | scales | 128 bytes: a run of 32 bytes holds sub-block 2i in its low nibbles and 2i + 1 in its
+ * high ones; value (d * sc) * q - dmin * m. */
+INLINE WBlock wb_q4_k(const uint8_t *row, int64_t k, const KScales *ks) {
+    const int j = (int)(k % 8);
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + k / 8 * 144 + 16 + 32 * (j / 2)));
+    const WBlock w = {_mm256_and_si256(shift_right16(bytes, 4 * (j & 1)), _mm256_set1_epi8(0x0f)),
+                      _mm256_set1_ps(ks->s[j]), ks->m[j]};
+    return w;
+}
+/* Q5_K: as Q4_K, with 32 bytes of fifth bits (bit j of byte i: value i of sub-block j) before the nibbles. */
+INLINE WBlock wb_q5_k(const uint8_t *row, int64_t k, const KScales *ks) {
+    const uint8_t *b = row + k / 8 * 176;
+    const int j = (int)(k % 8);
+    const __m256i low = _mm256_and_si256(shift_right16(_mm256_loadu_si256((const __m256i *)(b + 48 + 32 * (j / 2))),
+                                                       4 * (j & 1)), _mm256_set1_epi8(0x0f));
+    const __m256i high = _mm256_and_si256(shift_right16(_mm256_loadu_si256((const __m256i *)(b + 16)), j),
+                                          _mm256_set1_epi8(0x01));
+    const WBlock w = {_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_ps(ks->s[j]), ks->m[j]};
+    return w;
+}
+/* Q6_K: 128 bytes of low nibbles | 64 of high 2 bits | 16 int8 scales | d. Each half of the block (128 values):
+ * 64 nibble bytes (values 0-63 low nibbles, 64-127 high) and 32 high bytes (four 2-bit fields, a run of 32
+ * values each); value (d * sc) * (q - 32), a scale per 16 values. */
+INLINE WBlock wb_q6_k(const uint8_t *row, int64_t k, const KScales *ks) {
+    const uint8_t *b = row + k / 8 * 210;
+    const int j = (int)(k % 8), h = j / 4, run = j % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32 * (run & 1)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));
+    const __m256i low = _mm256_and_si256(shift_right16(ql, 4 * (run >> 1)), _mm256_set1_epi8(0x0f));
+    const __m256i high = _mm256_and_si256(shift_right16(qh, 2 * run), _mm256_set1_epi8(0x03));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+    const __m128 pair = _mm_castpd_ps(_mm_load_sd((const double *)(ks->s + 2 * j)));  /* its two sub-blocks' */
+    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+    const WBlock w = {q, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), halves), 0.f};
+    return w;
+}
+/* (the formats of 32-value blocks, to the K-quants' signature) */
+#define BLOCK32(FN)                                                                                          \
+    INLINE WBlock FN##_(const uint8_t *row, int64_t k, const KScales *ks) { (void)ks; return FN(row, k); }
+BLOCK32(wb_q8_0) BLOCK32(wb_q4_0) BLOCK32(wb_q4_1) BLOCK32(wb_q5_0) BLOCK32(wb_q5_1)
+
+/* acc + the exact dot products of unsigned a and signed b bytes, 8 int32 lanes */
+INLINE __m256i dot_from(__m256i acc, __m256i a, __m256i b) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    return dot_acc_u8i8(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, dot_u8i8(a, b));
+#endif
+}
+
+/* acc[r * MAX_NB + b] = sum over blocks of d[b, block] * (w[r, block] . q[b, block]) for R rows of a GGUF format
+ * (row_bytes apart) and NB inputs. UNPACK reads a block of 32; a super-block of SUB blocks (BYTES256 bytes per
+ * 256 values: the K-quants' blocks) has its scales decoded by PREP first, for each row. WSIGNED says whether q
+ * are signed, OFFSET is what unsigned q lose (8 for Q4_0, 16 for Q5_0), WMIN whether there is a min. R and NB
+ * are constant after inlining. */
+#define GGML_TILE(NAME, PREP, UNPACK, SUB, BYTES256, WSIGNED, OFFSET, WMIN)                                   \
+    INLINE void NAME(const uint8_t *w, int64_t row_bytes, const Input *in_, int64_t b0, int64_t in, int R,   \
+                     int NB, float *acc) {                                                                  \
+        const int64_t blocks = in / QBLOCK, tile_bytes = R * row_bytes;                                     \
+        const int8_t *q = in_->q + b0 * in;                                                                 \
+        const float *d = in_->d + b0 * blocks;                                                              \
+        const int32_t *sum = in_->sum + b0 * blocks;                                                        \
+        v8 a[Q8_ROWS_MAX][Q8_NB];                                                                           \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int b = 0; b < NB; b++) a[r][b] = (v8){0};                                                 \
+        const int fetch = PC_Q_FETCH && b0 == 0;                                                            \
+        KScales ks[SUB > 1 ? Q8_ROWS_MAX : 1];                                                              \
+        for (int64_t k = 0; k < blocks; k++) {                                                              \
+            if (SUB > 1 && k % SUB == 0)                                                                    \
+                for (int r = 0; r < R; r++) PREP(w + r * row_bytes + k / SUB * (BYTES256 * SUB / 8), &ks[r]); \
+            if (fetch) { /* the next tile's bytes, this block's share (Q6_K's are not whole bytes) */      \
+                const int64_t from = R * BYTES256 * k / 8;                                                  \
+                fetch_ahead(w + tile_bytes, from, (int)(R * BYTES256 * (k + 1) / 8 - from));                \
+            }                                                                                               \
+            __m256i x[Q8_NB];                                                                               \
+            float xd[Q8_NB], xm[Q8_NB];                                                                     \
+            int32_t xo[Q8_NB];                                                                              \
+            for (int b = 0; b < NB; b++) {                                                                  \
+                x[b] = _mm256_loadu_si256((const __m256i *)(q + b * in + k * QBLOCK));                      \
+                PIN256(x[b]);                                                                               \
+                xd[b] = d[b * blocks + k];                                                                  \
+                xm[b] = xd[b] * (float)sum[b * blocks + k] * 0.125f; /* a lane's share of dx x sum */      \
+                xo[b] = -(OFFSET / 8) * sum[b * blocks + k];         /* a lane's share of -OFFSET x sum */  \
+            }                                                                                               \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const WBlock wb = UNPACK(w + r * row_bytes, k, &ks[SUB > 1 ? r : 0]);                       \
+                const __m256i wu = WSIGNED ? _mm256_abs_epi8(wb.q) : wb.q;                                  \
+                for (int b = 0; b < NB; b++) {                                                              \
+                    const __m256i xv = WSIGNED ? _mm256_sign_epi8(x[b], wb.q) : x[b];                       \
+                    const __m256i p = OFFSET ? dot_from(_mm256_set1_epi32(xo[b]), wu, xv) : dot_u8i8(wu, xv); \
+                    __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(wb.s, _mm256_set1_ps(xd[b])), \
+                                               (__m256)a[r][b]);                                            \
+                    if (WMIN) t = _mm256_fmadd_ps(_mm256_set1_ps(wb.m), _mm256_set1_ps(xm[b]), t);          \
+                    a[r][b] = (v8)t;                                                                        \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        reduce_q(a, R, NB, acc);                                                                            \
+    }
+GGML_TILE(tile_q8_0, no_prep, wb_q8_0_, 1, 272, 1, 0, 0)
+GGML_TILE(tile_q4_0, no_prep, wb_q4_0_, 1, 144, 0, 8, 0)
+GGML_TILE(tile_q4_1, no_prep, wb_q4_1_, 1, 160, 0, 0, 1)
+GGML_TILE(tile_q5_0, no_prep, wb_q5_0_, 1, 176, 0, 16, 0)
+GGML_TILE(tile_q5_1, no_prep, wb_q5_1_, 1, 192, 0, 0, 1)
+GGML_TILE(tile_q4_k, prep_q4_k, wb_q4_k, 8, 144, 0, 0, 1)
+GGML_TILE(tile_q5_k, prep_q4_k, wb_q5_k, 8, 176, 0, 0, 1)
+GGML_TILE(tile_q6_k, prep_q6_k, wb_q6_k, 8, 210, 1, 0, 0)
+
 /* The specialisations: Q8_R rows x 1..Q8_NB inputs, Q8_ROWS_1 rows x 1; anything else generic. */
 #define Q_CASE(FN, K) case K: FN(w, ws, x, b0, in, Q8_R, (K) <= Q8_NB ? (K) : Q8_NB, acc); break;
 #define Q_DISPATCH(FN)                                                                                       \
@@ -637,6 +882,22 @@ INLINE void tile_q4_any(const uint8_t *w, const uint16_t *ws, const Input *x, in
         Q_DISPATCH(tile_q4p)
     } else {
         Q_DISPATCH(tile_q4)
+    }
+}
+/* R rows of GGUF type `type` (row_bytes apart) against NB inputs. Called once a tile, so kept out of line:
+ * inlined into tile()'s callers it added a fifth or more to the library's compile time (10 s -> 12-15 s). */
+static __attribute__((noinline)) void tile_ggml_any(int64_t type, const uint8_t *w, int64_t row_bytes,
+                                                    const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
+    const int64_t ws = row_bytes;  /* (the name Q_DISPATCH passes on) */
+    switch (type) {
+    case GGML_Q8_0: Q_DISPATCH(tile_q8_0) break;
+    case GGML_Q4_0: Q_DISPATCH(tile_q4_0) break;
+    case GGML_Q4_1: Q_DISPATCH(tile_q4_1) break;
+    case GGML_Q5_0: Q_DISPATCH(tile_q5_0) break;
+    case GGML_Q5_1: Q_DISPATCH(tile_q5_1) break;
+    case GGML_Q4_K: Q_DISPATCH(tile_q4_k) break;
+    case GGML_Q5_K: Q_DISPATCH(tile_q5_k) break;
+    case GGML_Q6_K: Q_DISPATCH(tile_q6_k) break;
     }
 }
 #else
@@ -672,6 +933,77 @@ INLINE void tile_q4_any(const uint8_t *w, const uint16_t *ws, const Input *x, in
                 total += (float)dot * (f16_to_f32(ws[r * blocks + k]) * x->d[(b0 + b) * blocks + k]);
             }
             acc[r * MAX_NB + b] = total;
+        }
+}
+/* Block k (values 32k .. 32k + 31) of a GGUF row as value i = s[i / 16] * q[i] + *m: the AVX2 unpackers' fields
+ * (wb_q8_0 and the rest say each layout), one value at a time. */
+static void ggml_block(int64_t type, const uint8_t *row, int64_t k, int8_t q[QBLOCK], float s[2], float *m) {
+    const uint8_t *b;
+    uint32_t high = 0;
+    int j = (int)(k % 8), sc = 0, mn = 0;
+    *m = s[0] = s[1] = 0.f;  /* (a type the Python side never binds: zeros) */
+    switch (type) {
+    case GGML_Q8_0:
+        b = row + k * 34;
+        memcpy(q, b + 2, QBLOCK);
+        s[0] = s[1] = f16_at(b);
+        return;
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: {
+        static const int size[] = {[GGML_Q4_0] = 18, [GGML_Q4_1] = 20, [GGML_Q5_0] = 22, [GGML_Q5_1] = 24};
+        const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
+        b = row + k * size[type];
+        const uint8_t *nib = b + 2 + 2 * has_min + 4 * five;
+        if (five) memcpy(&high, b + 2 + 2 * has_min, 4);
+        const int offset = has_min ? 0 : five ? 16 : 8;
+        for (int i = 0; i < QBLOCK; i++) {
+            const int v = (i < 16 ? nib[i] & 0x0f : nib[i - 16] >> 4) | (int)((high >> i) & 1) << 4;
+            q[i] = (int8_t)(v - offset);
+        }
+        s[0] = s[1] = f16_at(b);
+        if (has_min) *m = f16_at(b + 2);
+        return;
+    }
+    case GGML_Q4_K: case GGML_Q5_K: {
+        const int five = type == GGML_Q5_K;
+        b = row + k / 8 * (five ? 176 : 144);
+        k_scale_min(b + 4, j, &sc, &mn);
+        const uint8_t *nib = b + (five ? 48 : 16) + 32 * (j / 2);
+        for (int i = 0; i < QBLOCK; i++)
+            q[i] = (int8_t)(((nib[i] >> (4 * (j & 1))) & 0x0f) | (five ? ((b[16 + i] >> j) & 1) << 4 : 0));
+        s[0] = s[1] = f16_at(b) * (float)sc;
+        *m = -(f16_at(b + 2) * (float)mn);
+        return;
+    }
+    case GGML_Q6_K: {
+        b = row + k / 8 * 210;
+        const int h = j / 4, run = j % 4;
+        for (int i = 0; i < QBLOCK; i++) {
+            const int low = (b[64 * h + 32 * (run & 1) + i] >> (4 * (run >> 1))) & 0x0f;
+            q[i] = (int8_t)((low | ((b[128 + 32 * h + i] >> (2 * run)) & 3) << 4) - 32);
+        }
+        const float d = f16_at(b + 208);
+        s[0] = d * (float)(int8_t)b[192 + 2 * j], s[1] = d * (float)(int8_t)b[192 + 2 * j + 1];
+        return;
+    }
+    }
+}
+INLINE void tile_ggml_any(int64_t type, const uint8_t *w, int64_t row_bytes, const Input *x, int64_t b0, int64_t in,
+                          int R, int NB, float *acc) {
+    const int64_t blocks = in / QBLOCK;
+    for (int r = 0; r < R; r++)
+        for (int b = 0; b < NB; b++) acc[r * MAX_NB + b] = 0.f;
+    for (int r = 0; r < R; r++)
+        for (int64_t k = 0; k < blocks; k++) {
+            int8_t q[QBLOCK];
+            float s[2], m;
+            ggml_block(type, w + r * row_bytes, k, q, s, &m);
+            for (int b = 0; b < NB; b++) {
+                const int8_t *xq = x->q + (b0 + b) * in + k * QBLOCK;
+                int32_t lo = 0, hi = 0;
+                for (int i = 0; i < QBLOCK / 2; i++) lo += (int32_t)q[i] * xq[i], hi += (int32_t)q[i + 16] * xq[i + 16];
+                const int64_t at = (b0 + b) * blocks + k;
+                acc[r * MAX_NB + b] += x->d[at] * (((float)lo * s[0] + (float)hi * s[1]) + m * (float)x->sum[at]);
+            }
         }
 }
 #endif
@@ -763,9 +1095,24 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
         default: FN(W, x, in, rstride, xstride, R, NB, fetch, acc); break;                                  \
     }
 
-/* Whether layer l runs on integer dot products (its input quantized per block). */
+/* Whether layer l runs on integer dot products (its input quantized per block; every part of a layer of
+ * several formats is a GGUF one, which all read the same blocks). */
 INLINE int integer_path(const Linear *l) {
-    return (l->format == FMT_I8 || l->format == FMT_I4) && l->in % QBLOCK == 0;
+    return (l->format == FMT_I8 || l->format == FMT_I4 || l->format > FMT_GGML) && l->in % QBLOCK == 0;
+}
+
+/* Bytes of a row of `in` values in a GGUF format (whole blocks: the Python side checked). */
+INLINE int64_t ggml_row_bytes(int64_t type, int64_t in) {
+    switch (type) {
+    case GGML_Q8_0: return in / 32 * 34;
+    case GGML_Q4_0: return in / 32 * 18;
+    case GGML_Q4_1: return in / 32 * 20;
+    case GGML_Q5_0: return in / 32 * 22;
+    case GGML_Q5_1: return in / 32 * 24;
+    case GGML_Q4_K: return in / 256 * 144;
+    case GGML_Q5_K: return in / 256 * 176;
+    default: return in / 256 * 210;  /* GGML_Q6_K */
+    }
 }
 
 /* A linear layer's tile shape at batch B: rows a tile, most sequences a tile. */
@@ -779,12 +1126,15 @@ INLINE void tile_shape(const Linear *l, int64_t B, int *rows, int *seqs) {
     }
 }
 
-/* acc[r * MAX_NB + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of the input. */
-static void tile(const Linear *l, int64_t r0, int R, const Input *input, int64_t b0, int NB, float *acc) {
+/* acc[r * MAX_NB + b] = rows r0 .. r0+R of one part of a layer (scaled) against sequences b0 .. b0+NB. */
+static void part_tile(const Linear *l, int64_t r0, int R, const Input *input, int64_t b0, int NB, float *acc) {
     const int64_t in = l->in, rstride = in, xstride = in;
     const int fetch = b0 == 0;
     const float *x = input->x + b0 * in;
-    if (l->format == FMT_I4) {
+    if (l->format > FMT_GGML) {
+        const int64_t type = l->format - FMT_GGML, row_bytes = ggml_row_bytes(type, in);
+        tile_ggml_any(type, (const uint8_t *)l->weight + r0 * row_bytes, row_bytes, input, b0, in, R, NB, acc);
+    } else if (l->format == FMT_I4) {
         tile_q4_any((const uint8_t *)l->weight + r0 * (in / 2), (const uint16_t *)l->scales + r0 * (in / QBLOCK),
                     input, b0, in, R, NB, acc);
     } else if (integer_path(l)) {
@@ -796,11 +1146,26 @@ static void tile(const Linear *l, int64_t r0, int R, const Input *input, int64_t
         const float *w = (const float *)l->weight + r0 * in;
         DISPATCH(tile_f32, w)
     }
-    for (int r = 0; r < R; r++)
-        for (int b = 0; b < NB; b++) {
-            if (l->format == FMT_I8) acc[r * MAX_NB + b] *= ((const float *)l->scales)[r0 + r];
-            if (l->bias) acc[r * MAX_NB + b] += l->bias[r0 + r];
-        }
+    if (l->format == FMT_I8)
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < NB; b++) acc[r * MAX_NB + b] *= ((const float *)l->scales)[r0 + r];
+}
+
+/* acc[r * MAX_NB + b] = rows r0 .. r0+R of l (scaled, biased) against sequences b0 .. b0+NB of the input. A tile
+ * across two parts of a layer of several formats runs as two (one tile per part boundary: the split tiles
+ * take the unspecialised shapes, at no measurable cost). */
+static void tile(const Linear *l, int64_t r0, int R, const Input *input, int64_t b0, int NB, float *acc) {
+    const Linear *part = l;
+    int64_t at = r0;
+    for (int done = 0; done < R;) {
+        while (at >= part->rows) at -= part->rows, part = part->next;
+        const int n = (int)(R - done < part->rows - at ? R - done : part->rows - at);
+        part_tile(part, at, n, input, b0, NB, acc + done * MAX_NB);
+        done += n, at += n;
+    }
+    if (l->bias)
+        for (int r = 0; r < R; r++)
+            for (int b = 0; b < NB; b++) acc[r * MAX_NB + b] += l->bias[r0 + r];
 }
 
 /* Claims the next GRAB row tiles of the running linear layer into [*lo, *hi); false when none are left.

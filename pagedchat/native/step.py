@@ -3,8 +3,12 @@
 `NativeDecode.bind(model, k_caches, v_caches, block_size, k_scales=None, v_scales=None)` returns None for what
 the C step does not cover, and the runner keeps the torch path for those: another family (Gemma, MoE, Phi-3's
 partial rotary), sliding-window layer groups, a dtype other than fp32 (its weights, beside int8 and int4
-layers; its pool, beside int8 K/V with float16 scales), a device other than CPU, or no compiler. The structs
-below mirror decode.c's; their sizes are checked against the library's.
+layers and a GGUF file's block formats; its pool, beside int8 K/V with float16 scales), a GGUF layer with a part
+in a type decode.c does not read (F16, BF16, Q2_K, Q3_K: GGML_NATIVE lists those it does), a device other than
+CPU, or no compiler. The structs below mirror decode.c's; their sizes are checked against the library's.
+
+A GGUF layer (pagedchat/model/gguf/linear.py) is read in the file's layout, nothing repacked: one _Linear per
+part, chained, so fused q/k/v and gate/up whose parts have different types run each part in its own format.
 """
 
 from __future__ import annotations
@@ -26,11 +30,20 @@ _ptr = c_void_p
 
 
 FMT_F32, FMT_I8, FMT_I4 = 0, 1, 2  # decode.c's weight formats
+FMT_GGML = 100  # a GGUF block format: this + its ggml type number
+# The GGUF types decode.c reads in the file's layout (pagedchat/model/gguf/quants.py describes them), by ggml
+# type number: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
+GGML_NATIVE = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", c_int64), ("in_", c_int64),
-                ("format", c_int64)]
+    pass
+
+
+# next: the rows past `rows`, in another part's format (decode.c's Linear says how a layer of several formats is
+# held); NULL for a layer of one
+_Linear._fields_ = [("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", c_int64), ("in_", c_int64),
+                    ("format", c_int64), ("rows", c_int64), ("next", POINTER(_Linear))]
 
 
 class _Layer(ctypes.Structure):
@@ -86,11 +99,30 @@ def _int4_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
     return packed, scales
 
 
+def _gguf_linear(module: nn.Module) -> _Linear | None:
+    """A GGUFLinear read in the file's layout: one _Linear per part, chained through `next` (q, k and v, or gate
+    and up, may each be another type); None when a part's type is one decode.c does not read, or a part is not
+    plain CPU bytes."""
+    parts = module.parts
+    if not all(qtype in GGML_NATIVE and _plain(raw, torch.uint8) for raw, qtype in parts) \
+            or module.in_features % 32 or not _fp32(module.bias):
+        return None
+    chain = None
+    for raw, qtype in reversed(parts):  # (built from the last part: each points at the one after it)
+        chain = _Linear(_addr(raw), None, None, 0, module.in_features, FMT_GGML + qtype, raw.shape[0],
+                        None if chain is None else ctypes.pointer(chain))
+    chain.out, chain.bias = module.out_features, _addr(module.bias)
+    return chain
+
+
 def _linear(module: nn.Module) -> _Linear | None:
-    """A plain, oneDNN-packed (its plain weight), int8 or int4 layer; None for anything else."""
+    """A plain, oneDNN-packed (its plain weight), int8, int4 or GGUF layer; None for anything else."""
+    from pagedchat.model.gguf.linear import GGUFLinear
     from pagedchat.model.packed import PackedLinear
     from pagedchat.model.quantize import Int8Linear
 
+    if isinstance(module, GGUFLinear):
+        return _gguf_linear(module)
     bias = getattr(module, "bias", None)
     int4 = _int4_tensors(module)
     if int4 is not None:
@@ -110,7 +142,7 @@ def _linear(module: nn.Module) -> _Linear | None:
         return None
     if not _fp32(bias):
         return None
-    return _Linear(_addr(w), _addr(scales), _addr(bias), out, in_, fmt)
+    return _Linear(_addr(w), _addr(scales), _addr(bias), out, in_, fmt, out, None)
 
 
 def run_linear(module: nn.Module, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -148,9 +180,9 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
     mapping, mmap's default, measured slower than either: it must be MAP_PRIVATE.) The modules' tensors are
     rebound to views of the arena (values unchanged); returns the arena, which must outlive them, or None when
     there is nothing to gather."""
-    tensors = [m.packed if _int4_tensors(m) is not None else m.weight for m in modules]
+    tensors = [(m, name, getattr(m, name)) for m in modules for name in _weight_names(m)]
     offsets, total = [], 0
-    for t in tensors:
+    for _, _, t in tensors:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // 64) * 64
     if total == 0 or not hasattr(mmap, "MAP_PRIVATE"):  # (no private anonymous mappings: leave them be)
@@ -160,17 +192,25 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
     start = -base.data_ptr() % HUGE_PAGE  # a 2 MiB boundary: where a huge page can start
     if hasattr(arena, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         arena.madvise(mmap.MADV_HUGEPAGE, start, total)  # before the first touch: faults take huge pages
-    for module, t, offset in zip(modules, tensors, offsets):
+    for (module, name, t), offset in zip(tensors, offsets):
         nbytes = t.numel() * t.element_size()
         view = base[start + offset:start + offset + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
         if isinstance(t, nn.Parameter):
             t.data = view  # every holder of the parameter (a tied embedding, PackedLinear) sees the arena
-        elif t is getattr(module, "packed", None):
-            module.packed = view  # an int4 layer's registered buffer
         else:
-            module.weight = view  # a registered buffer (Int8Linear)
+            setattr(module, name, view)  # a registered buffer (Int8Linear's weight, int4's packed, GGUF parts)
     return arena
+
+
+def _weight_names(module: nn.Module) -> list[str]:
+    """The attributes holding a layer's weight bytes: a GGUF layer's parts (its buffers part0, part1, ...: the
+    file's bytes move into the arena, and the layer's torch path reads them there), int4's packed, else weight."""
+    from pagedchat.model.gguf.linear import GGUFLinear
+
+    if isinstance(module, GGUFLinear):
+        return module.part_names
+    return ["packed" if _int4_tensors(module) is not None else "weight"]
 
 
 class ThreadChoice:

@@ -2,8 +2,9 @@
 
 Why dequantize per layer, per call: memory. The model stays resident at the file's size (Q4_K is 4.5 bits a
 weight, not bf16's 16), and only one layer's weight is dense at a time, a transient the size of the largest
-layer. The cost is a dequantization per forward; speed is for native/Triton kernels that read the blocks
-directly (later work), and this layer is what they are checked against.
+layer. The cost is a dequantization per forward; speed is for kernels that read the blocks directly (the native
+CPU decode step does: pagedchat/native/step.py binds these parts), and this layer is what they are checked
+against.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ class GGUFLinear(nn.Module):
 
     @property
     def parts(self) -> list[tuple[torch.Tensor, int]]:
-        return [(getattr(self, f"part{i}"), qtype) for i, qtype in enumerate(self.qtypes)]
+        return [(getattr(self, name), qtype) for name, qtype in zip(self.part_names, self.qtypes)]
+
+    @property
+    def part_names(self) -> list[str]:
+        """The buffers holding the parts' bytes, in order: the native decode step moves them into its weight
+        arena by assigning a view there (same bytes) to each name (pagedchat/native/step.py gather_weights)."""
+        return [f"part{i}" for i in range(len(self.qtypes))]
 
     def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight [out_features, in_features] in `dtype`, each part written into its rows."""

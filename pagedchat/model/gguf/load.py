@@ -98,6 +98,11 @@ def load_tensors(model: nn.Module, gguf: GGUFFile, config, keep_blocks: bool) ->
                 block_parts.setdefault(owner, []).append((offset, raw, tensor.qtype))
             else:
                 loaded[pname] = loaded.get(pname, 0) + _fill(params[pname], offset, rows, raw, tensor, arch)
+    embed = gguf.tensors["token_embd.weight"]
+    if keep_blocks and model.spec.tie_embeddings and embed.qtype not in FLOAT_TYPES:
+        # A tied LM head reads the embedding's blocks as the file stores them (the lookup table itself is
+        # dequantized): a quarter of the bytes per step at Q8_0, where fp32 logits would read them all.
+        block_parts["lm_head"] = [(0, embed.data, embed.qtype)]
     for owner, parts in block_parts.items():
         _swap_linear(model, owner, parts)
     _check_complete(model, params, loaded, block_parts, gguf)
