@@ -92,12 +92,15 @@ def test_a_chat_reply_stops_at_the_templates_end_of_turn():
 
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_perplexity_within_one_percent_of_llama_cpp_on_the_same_file(name):
+    """At the same KV precision (float32: pagedchat's pool on CPU; llama.cpp's default float16 cache alone moves
+    Gemma 3's perplexity by 2%)."""
     pytest.importorskip("llama_cpp")
     from pagedchat.bench.accuracy import _llama_cpp_windows_perplexity, perplexity, prose_text, text_windows
 
     eng = engine(name, None)
     windows = text_windows(*prose_text(eng.tokenizer, long=True), 512)
-    ours, theirs = perplexity(eng, windows), _llama_cpp_windows_perplexity(real_file(name), windows)
+    ours = perplexity(eng, windows)
+    theirs = _llama_cpp_windows_perplexity(real_file(name), windows, kv_f32=True)
     assert abs(ours / theirs - 1) < 0.01, (ours, theirs)
 
 
