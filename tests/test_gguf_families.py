@@ -106,3 +106,16 @@ def test_weights_kept_in_the_file_format_give_the_same_tokens(gguf_model, qtype)
     assert isinstance(eng.loaded.model.lm_head, GGUFLinear)
     assert any(isinstance(m, GGUFLinear) for m in eng.loaded.model.modules())
     check_alone_batched_and_variants(eng, oracle)
+
+
+def test_a_model_no_kernel_runs_as_stored_is_dequantized_at_load_with_a_note(gguf_model, caplog):
+    """Gemma and the MoE families have no CPU kernel for the block formats yet: dequantizing every weight at
+    every step would be far slower than dequantizing once, so they load dequantized and say so."""
+    from pagedchat.model.gguf.linear import GGUFLinear
+
+    path, oracle = gguf_model("gemma3", "Q8_0")
+    with caplog.at_level("WARNING", logger="pagedchat.model"):
+        eng = engine(path, quantize=None)
+    assert not any(isinstance(m, GGUFLinear) for m in eng.loaded.model.modules())
+    assert "dequantized to float32 at load" in caplog.text
+    check_alone_batched_and_variants(eng, oracle)

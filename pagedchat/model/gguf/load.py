@@ -11,6 +11,7 @@ Rows llama.cpp's converter permuted are put back; Gemma's norm weights lose the 
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from pagedchat.model.checkpoint import target_of, target_rows
 from pagedchat.model.gguf import arch as gguf_arch
 from pagedchat.model.gguf.reader import GGUFFile, GGUFTensor, open_gguf
 
+log = logging.getLogger("pagedchat.model")
 FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: nothing to keep in a block format
 
 
@@ -36,6 +38,12 @@ def load_gguf(paths: list[Path], dev: torch.device, dtype: str, max_model_len: i
     tokenizer, stop_ids = _tokenizer(gguf, chat_template)
     model, spec, limit = build_empty_model(config, dev, torch_dtype, max_model_len)
     load_tensors(model, gguf, config, keep_blocks)
+    if keep_blocks and not _blocks_run_as_stored(model, dev, torch_dtype):
+        dequantize_linears(model, torch_dtype)
+        keep_blocks = False
+        log.warning("pagedchat: %s: weights dequantized to %s at load (this model's layers have no kernel for "
+                    "the file's formats on %s yet: dequantizing them at every step would be far slower)",
+                    paths[0].name, str(torch_dtype).removeprefix("torch."), dev.type)
     finish_model(model, dev, torch_dtype, None if keep_blocks or quantize == "none" else quantize)
     return LoadedModel(paths[0], config, spec, model, tokenizer, stop_ids, limit, torch_dtype, dev)
 
@@ -58,6 +66,38 @@ def _tokenizer(gguf: GGUFFile, chat_template: str | None):
     if chat_template:
         tokenizer.chat_template = chat_template
     return tokenizer, stop_token_ids(gguf.metadata, tokenizer)
+
+
+def _blocks_run_as_stored(model: nn.Module, dev: torch.device, dtype: torch.dtype) -> bool:
+    """Whether something multiplies the blocks as they are: on CUDA a layer is dequantized on the device as it
+    runs; on CPU the native step runs the Llama-family forward in fp32 on the formats it binds. Anywhere else
+    the torch path would dequantize every weight at every step (Gemma 3 270M: 0.3 tok/s)."""
+    if dev.type == "cuda":
+        return True
+    from pagedchat.model.gguf.linear import GGUFLinear
+    from pagedchat.model.layers import RotaryEmbedding
+    from pagedchat.model.llama import LlamaFamilyModel
+    from pagedchat.native.step import _linear
+
+    if dtype != torch.float32 or type(model) is not LlamaFamilyModel or type(model.rotary) is not RotaryEmbedding:
+        return False
+    return all(_linear(m) is not None for m in model.modules() if isinstance(m, GGUFLinear))
+
+
+def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> None:
+    """Every GGUFLinear replaced by a plain linear layer holding its dequantized weight."""
+    from pagedchat.model.gguf.linear import GGUFLinear
+    from pagedchat.model.layers import Linear
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, GGUFLinear):
+            parent_name, _, attr = name.rpartition(".")
+            dense = Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                           device=module.part0.device, dtype=dtype)
+            dense.weight.data = module.dequantized(dtype)
+            if module.bias is not None:
+                dense.bias.data = module.bias.to(dtype)
+            setattr(model.get_submodule(parent_name) if parent_name else model, attr, dense)
 
 
 def _keep_blocks(gguf: GGUFFile, quantize: str | None) -> bool:
