@@ -41,9 +41,9 @@ def load_gguf(paths: list[Path], dev: torch.device, dtype: str, max_model_len: i
     if keep_blocks and not _blocks_run_as_stored(model, dev, torch_dtype):
         dequantize_linears(model, torch_dtype)
         keep_blocks = False
-        log.warning("pagedchat: %s: weights dequantized to %s at load (this model's layers have no kernel for "
-                    "the file's formats on %s yet: dequantizing them at every step would be far slower)",
-                    paths[0].name, str(torch_dtype).removeprefix("torch."), dev.type)
+        log.warning("pagedchat: %s: weights dequantized to %s at load (no kernel here runs this model's "
+                    "formats as stored; dequantizing them at every step would be far slower)",
+                    paths[0].name, str(torch_dtype).removeprefix("torch."))
     finish_model(model, dev, torch_dtype, None if keep_blocks or quantize == "none" else quantize)
     return LoadedModel(paths[0], config, spec, model, tokenizer, stop_ids, limit, torch_dtype, dev)
 
@@ -81,7 +81,11 @@ def _blocks_run_as_stored(model: nn.Module, dev: torch.device, dtype: torch.dtyp
 
     if dtype != torch.float32 or type(model) is not LlamaFamilyModel or type(model.rotary) is not RotaryEmbedding:
         return False
-    return all(_linear(m) is not None for m in model.modules() if isinstance(m, GGUFLinear))
+    if not all(_linear(m) is not None for m in model.modules() if isinstance(m, GGUFLinear)):
+        return False
+    from pagedchat.native import build
+
+    return build.load(wait=True) is not None   # built once per machine (seconds); None: no compiler, or turned off
 
 
 def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> None:
