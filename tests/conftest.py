@@ -15,6 +15,35 @@ sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 
 
+def _hypothesis_profiles():
+    from hypothesis import HealthCheck, settings
+
+    # "ci" (the default): every run, on every machine, draws the same examples, so no run fails for the luck
+    # of a fresh seed and a failure reproduces by running the test again (derandomize implies no example
+    # database either: what one checkout once found does not make its runs differ from a clean one's).
+    # Nothing is timed: no deadline, no "too slow" health check (a busy machine must not fail a test). A
+    # failure prints the blob that replays it.
+    untimed = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow], print_blob=True)
+    settings.register_profile("ci", derandomize=True, **untimed)
+    # "explore": random draws, for `--hypothesis-seed=N` (derandomize would ignore the seed) and for fuzzing
+    # sessions (PAGEDCHAT_FUZZ_EXAMPLES / PAGEDCHAT_FUZZ_STEPS, see test_engine_state_machine.py): hypothesis
+    # prints what reproduces a failure and keeps it in its database (.hypothesis/) to try first next time.
+    settings.register_profile("explore", **untimed)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """The hypothesis profile, unless --hypothesis-profile names one (see _hypothesis_profiles)."""
+    from hypothesis import settings
+
+    _hypothesis_profiles()
+    if config.getoption("--hypothesis-profile", None):
+        return
+    fuzzing = any(os.environ.get(name) for name in ("PAGEDCHAT_FUZZ_EXAMPLES", "PAGEDCHAT_FUZZ_STEPS"))
+    seeded = config.getoption("--hypothesis-seed", None) is not None
+    settings.load_profile("explore" if fuzzing or seeded else "ci")
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
