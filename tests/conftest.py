@@ -68,6 +68,13 @@ def xdg_cache_for_the_session(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def seeded_torch():
+    """Every test starts from the same torch seed: a test that draws random inputs without seeding them draws
+    the same ones whichever tests ran before it (and alone)."""
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
 def xdg_home(tmp_path, monkeypatch):
     """Every test gets its own config, data and cache folders: none reads or writes the real user's (the
     cache holds the disk KV tier)."""
