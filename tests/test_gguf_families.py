@@ -114,7 +114,7 @@ def test_a_model_no_kernel_runs_as_stored_is_dequantized_at_load_with_a_note(ggu
     from pagedchat.model.gguf.linear import GGUFLinear
 
     path, oracle = gguf_model("gemma3", "Q8_0")
-    with caplog.at_level("WARNING", logger="pagedchat.model"):
+    with caplog.at_level("WARNING", logger="pagedchat.engine"):
         eng = engine(path, quantize=None)
     assert not any(isinstance(m, GGUFLinear) for m in eng.loaded.model.modules())
     assert "dequantized to float32 at load" in caplog.text

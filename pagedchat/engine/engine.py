@@ -18,6 +18,7 @@ are the engine's own. Not thread-safe: one thread drives it (the server wraps it
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from contextlib import closing
 from pathlib import Path
@@ -50,6 +51,8 @@ from pagedchat.model.loader import load_model, resolve_device
 __all__ = ["Branch", "CompletionOutput", "Engine", "EngineStats", "RequestOutput", "TokenEvent"]
 
 
+log = logging.getLogger("pagedchat.engine")
+
 class Engine:
     def __init__(self, config: EngineConfig, loaded: ModelSource | None = None, show_progress: bool = True,
                  runner: StepRunner | None = None, tiers: KVTiers | None = None):
@@ -62,6 +65,8 @@ class Engine:
         self.loaded = loaded or load_model(config.model, config.device, config.dtype, config.max_model_len,
                                            trust_remote_code=config.trust_remote_code, show_progress=show_progress,
                                            chat_template=config.chat_template, quantize=config.quantize)
+        if loaded is None:
+            self._weights_as_stored()
         self.tokenizer = self.loaded.tokenizer
         self.eos_token_ids = set(self.loaded.eos_token_ids)
         self.max_model_len = self.loaded.max_model_len
@@ -137,6 +142,22 @@ class Engine:
     @property
     def device(self) -> torch.device:
         return self.loaded.device
+
+    def _weights_as_stored(self) -> None:
+        """A GGUF's block formats stay as stored where something multiplies them so: on CUDA (a layer
+        dequantized on the device as it runs) and where the native CPU step runs the model. Elsewhere the torch
+        path would dequantize every weight at every step (Gemma 3 270M: 0.3 tok/s), so they are dequantized
+        once, now, with a one-line note."""
+        from pagedchat.model.gguf.load import dequantize_linears
+        from pagedchat.native.step import runs_gguf_as_stored
+
+        loaded = self.loaded
+        if loaded.device.type == "cuda" or runs_gguf_as_stored(loaded.model, loaded.dtype):
+            return
+        if dequantize_linears(loaded.model, loaded.dtype):
+            log.warning("pagedchat: %s: weights dequantized to %s at load (no kernel here runs this model's "
+                        "formats as stored; dequantizing them at every step would be far slower)",
+                        Path(loaded.path).name, str(loaded.dtype).removeprefix("torch."))
 
     @property
     def model_path(self):

@@ -145,6 +145,18 @@ def _linear(module: nn.Module) -> _Linear | None:
     return _Linear(_addr(w), _addr(scales), _addr(bias), out, in_, fmt, out, None)
 
 
+def runs_gguf_as_stored(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the native step's forward covers this model and binds every GGUF layer's formats (checked
+    before the pool exists: the model's family, dtype and layer formats; the library aside)."""
+    from pagedchat.model.gguf.linear import GGUFLinear
+    from pagedchat.model.layers import RotaryEmbedding
+    from pagedchat.model.llama import LlamaFamilyModel
+
+    if dtype != torch.float32 or type(model) is not LlamaFamilyModel or type(model.rotary) is not RotaryEmbedding:
+        return False
+    return all(_linear(m) is not None for m in model.modules() if isinstance(m, GGUFLinear))
+
+
 def run_linear(module: nn.Module, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """module(x) through decode.c's tiles on this thread (x [B, in] fp32): how the tests hold each weight
     format's arithmetic to torch's on the same input."""

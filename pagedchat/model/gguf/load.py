@@ -3,7 +3,8 @@
 Two ways to hold the weights:
   - as the file stores them (the default): every linear layer with a block-format weight becomes a GGUFLinear
     over the file's bytes, so the model stays about the file's size; norms, biases and the embedding are
-    dequantized into the model dtype;
+    dequantized into the model dtype (the engine dequantizes the linear layers too where no kernel runs them
+    as stored: dequantize_linears);
   - `--quantize none`: everything dequantized into `--dtype` at load (the exact reference the tests compare
     against transformers' GGUF loading, and the fastest path where memory allows).
 Rows llama.cpp's converter permuted are put back; Gemma's norm weights lose the +1 its converter added.
@@ -11,7 +12,6 @@ Rows llama.cpp's converter permuted are put back; Gemma's norm weights lose the 
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,6 @@ from pagedchat.model.checkpoint import target_of, target_rows
 from pagedchat.model.gguf import arch as gguf_arch
 from pagedchat.model.gguf.reader import GGUFFile, GGUFTensor, open_gguf
 
-log = logging.getLogger("pagedchat.model")
 FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: nothing to keep in a block format
 
 
@@ -38,12 +37,6 @@ def load_gguf(paths: list[Path], dev: torch.device, dtype: str, max_model_len: i
     tokenizer, stop_ids = _tokenizer(gguf, chat_template)
     model, spec, limit = build_empty_model(config, dev, torch_dtype, max_model_len)
     load_tensors(model, gguf, config, keep_blocks)
-    if keep_blocks and not _blocks_run_as_stored(model, dev, torch_dtype):
-        dequantize_linears(model, torch_dtype)
-        keep_blocks = False
-        log.warning("pagedchat: %s: weights dequantized to %s at load (no kernel here runs this model's "
-                    "formats as stored; dequantizing them at every step would be far slower)",
-                    paths[0].name, str(torch_dtype).removeprefix("torch."))
     finish_model(model, dev, torch_dtype, None if keep_blocks or quantize == "none" else quantize)
     return LoadedModel(paths[0], config, spec, model, tokenizer, stop_ids, limit, torch_dtype, dev)
 
@@ -68,31 +61,13 @@ def _tokenizer(gguf: GGUFFile, chat_template: str | None):
     return tokenizer, stop_token_ids(gguf.metadata, tokenizer)
 
 
-def _blocks_run_as_stored(model: nn.Module, dev: torch.device, dtype: torch.dtype) -> bool:
-    """Whether something multiplies the blocks as they are: on CUDA a layer is dequantized on the device as it
-    runs; on CPU the native step runs the Llama-family forward in fp32 on the formats it binds. Anywhere else
-    the torch path would dequantize every weight at every step (Gemma 3 270M: 0.3 tok/s)."""
-    if dev.type == "cuda":
-        return True
-    from pagedchat.model.gguf.linear import GGUFLinear
-    from pagedchat.model.layers import RotaryEmbedding
-    from pagedchat.model.llama import LlamaFamilyModel
-    from pagedchat.native.step import _linear
-
-    if dtype != torch.float32 or type(model) is not LlamaFamilyModel or type(model.rotary) is not RotaryEmbedding:
-        return False
-    if not all(_linear(m) is not None for m in model.modules() if isinstance(m, GGUFLinear)):
-        return False
-    from pagedchat.native import build
-
-    return build.load(wait=True) is not None   # built once per machine (seconds); None: no compiler, or turned off
-
-
-def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> None:
-    """Every GGUFLinear replaced by a plain linear layer holding its dequantized weight."""
+def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Every GGUFLinear replaced by a plain linear layer holding its dequantized weight; whether there was one.
+    (The engine calls it where nothing would multiply the blocks as stored: see Engine._weights_as_stored.)"""
     from pagedchat.model.gguf.linear import GGUFLinear
     from pagedchat.model.layers import Linear
 
+    found = False
     for name, module in list(model.named_modules()):
         if isinstance(module, GGUFLinear):
             parent_name, _, attr = name.rpartition(".")
@@ -102,6 +77,8 @@ def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> None:
             if module.bias is not None:
                 dense.bias.data = module.bias.to(dtype)
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, dense)
+            found = True
+    return found
 
 
 def _keep_blocks(gguf: GGUFFile, quantize: str | None) -> bool:
