@@ -82,7 +82,7 @@ def _oneshots(path: str, threads: int) -> dict[str, list[str]]:
              f"l = Llama(model_path={path!r}, n_threads={threads}, n_ctx=512, verbose=False); "
              "print(l.create_completion('hi', max_tokens=1, temperature=0)['choices'][0]['text'])")
     return {"pagedchat": [sys.executable, "-m", "pagedchat.cli", "run", "-m", path, "--threads", str(threads),
-                          "--kv-memory", "64MiB", "--max-tokens", "1", "--temperature", "0", "hi"],
+                          "--kv-memory", "64MiB", "--max-tokens", "1", "--temperature", "0", "--raw", "hi"],
             "llama.cpp": [sys.executable, "-c", llama]}
 
 
