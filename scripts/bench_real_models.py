@@ -68,13 +68,19 @@ def _worker_llama_cpp(path: str, threads: int) -> dict:
     return {"load_s": load_s, "decode_tok_s": decode_tps, "prefill_512_s": time.perf_counter() - start}
 
 
-def _first_token_s(cmd: list[str]) -> float:
-    """Wall time of a one-shot process that loads the model and prints one token."""
-    start = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{done.stderr[-2000:]}")
-    return time.perf_counter() - start
+def _one_shot(cmd: list[str]) -> tuple[float, int]:
+    """(wall seconds, peak resident bytes) of one process that loads the model and prints one token: run by a
+    wrapper process that runs only it, so the wrapper's children's peak is this command's."""
+    wrapper = [sys.executable, "-c", "import resource, subprocess, sys, time; t = time.perf_counter(); "
+               "done = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+               "sys.stderr.write(done.stderr) if done.returncode else None; "
+               "print(done.returncode, time.perf_counter() - t, "
+               "resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)", *cmd]
+    out = subprocess.run(wrapper, capture_output=True, text=True)
+    code, seconds, rss = out.stdout.split()
+    if code != "0":
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{out.stderr[-2000:]}")
+    return float(seconds), int(rss)
 
 
 def _oneshots(path: str, threads: int) -> dict[str, list[str]]:
@@ -84,13 +90,6 @@ def _oneshots(path: str, threads: int) -> dict[str, list[str]]:
     return {"pagedchat": [sys.executable, "-m", "pagedchat.cli", "run", "-m", path, "--threads", str(threads),
                           "--kv-memory", "64MiB", "--max-tokens", "1", "--temperature", "0", "--raw", "hi"],
             "llama.cpp": [sys.executable, "-c", llama]}
-
-
-def _rss_of(cmd: list[str]) -> int:
-    """Peak resident bytes of one run of `cmd` (measured by a wrapper process that runs only it)."""
-    wrapper = [sys.executable, "-c", "import resource, subprocess, sys; subprocess.run(sys.argv[1:], "
-               "capture_output=True); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)", *cmd]
-    return int(subprocess.run(wrapper, capture_output=True, text=True).stdout.strip())
 
 
 def measure(path: str, threads: int, repeats: int) -> dict:
@@ -105,8 +104,9 @@ def measure(path: str, threads: int, repeats: int) -> dict:
             cmd = [sys.executable, __file__, "--worker", system, "--quantize", q, "--threads", str(threads), path]
             runs[name].append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
         for name, cmd in _oneshots(path, threads).items():
-            oneshot[name].append(_first_token_s(cmd))
-            rss[name].append(_rss_of(cmd))
+            seconds, peak = _one_shot(cmd)
+            oneshot[name].append(seconds)
+            rss[name].append(peak)
     med = lambda xs: statistics.median(x for x in xs if x is not None)  # noqa: E731
     out = {name: {k: med([r[k] for r in rs]) for k in rs[0]} for name, rs in runs.items()}
     return {"systems": out, "run_to_first_token_s": {k: med(v) for k, v in oneshot.items()},

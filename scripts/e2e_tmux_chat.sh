@@ -71,11 +71,15 @@ export XDG_DATA_HOME="$WORK/data" XDG_CONFIG_HOME="$WORK/config"
 SESSION_FILE="$XDG_DATA_HOME/pagedchat/sessions/e2e.json"
 
 # -- start the REPL ------------------------------------------------------------------------------------------
-tmx new-session -d -s e2e -x 140 -y 50 \
-    "cd '$WORK' && XDG_DATA_HOME='$XDG_DATA_HOME' XDG_CONFIG_HOME='$XDG_CONFIG_HOME' $PAGEDCHAT chat \
-     -m '$MODEL' --session e2e --device cpu --kv-memory 16MiB --temperature 0 ${E2E_ARGS:-}; \
-     echo \"PAGEDCHAT-EXIT=\$?\"; sleep 600"
-wait_for '^>>>'
+# start_repl: `pagedchat chat` on session e2e in the tmux window, until its prompt shows
+start_repl() {
+    tmx new-session -d -s e2e -x 140 -y 50 \
+        "cd '$WORK' && XDG_DATA_HOME='$XDG_DATA_HOME' XDG_CONFIG_HOME='$XDG_CONFIG_HOME' $PAGEDCHAT chat \
+         -m '$MODEL' --session e2e --device cpu --kv-memory 16MiB --temperature 0 ${E2E_ARGS:-}; \
+         echo \"PAGEDCHAT-EXIT=\$?\"; sleep 600"
+    wait_for '^>>>'
+}
+start_repl
 pass "REPL started"
 
 # -- two turns: the second prefills only the new message ------------------------------------------------------
@@ -131,11 +135,7 @@ pass "/exit"
 # -- the session reopened in a new REPL, continued ------------------------------------------------------------
 if [[ -n "${E2E_MODEL:-}" ]]; then
     tmx kill-session -t e2e
-    tmx new-session -d -s e2e -x 140 -y 50 \
-        "cd '$WORK' && XDG_DATA_HOME='$XDG_DATA_HOME' XDG_CONFIG_HOME='$XDG_CONFIG_HOME' $PAGEDCHAT chat \
-         -m '$MODEL' --session e2e --device cpu --kv-memory 16MiB --temperature 0 ${E2E_ARGS:-}; \
-         echo \"PAGEDCHAT-EXIT=\$?\"; sleep 600"
-    wait_for '^>>>'
+    start_repl
     type_line "/tree"
     wait_for 'v3 “'
     type_line "/set max_tokens 16"

@@ -97,11 +97,16 @@ def write_gguf(model, hf_dir: Path, out: Path, arch: str, qtype: str = "F32", se
         values = data if kind is None and stored.dtype == np.float32 else \
             gguf.quants.dequantize(stored, kind if kind is not None else gguf.GGMLQuantizationType.F16)
         reference.update(undo(np.asarray(values, dtype=np.float32).reshape(data.shape)))
+    finish_writer(w)
+    return reference
+
+
+def finish_writer(w) -> None:
+    """Write a GGUFWriter's header, metadata and tensors, and close the file."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return reference
 
 
 def reference_model(model, reference: dict):

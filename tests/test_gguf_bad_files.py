@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gguf_models import build_hf, write_gguf
+from gguf_models import build_hf, finish_writer, write_gguf
 from test_bad_input import assert_one_line
 
 
@@ -53,10 +53,7 @@ def test_unsupported_architecture(pagedchat_cli, tmp_path):
     w = gguf.GGUFWriter(str(path), "bert")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_writer(w)
     code, _, err = pagedchat_cli("run", "-m", str(path), "hi")
     assert_one_line(code, err, "'bert'", "supported")
 
@@ -79,10 +76,7 @@ def test_unsupported_tensor_type(pagedchat_cli, tmp_path, good_file):
                          raw_shape=(t.shape[0], t.shape[1] // 32 * 18), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
         else:
             w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=gguf.GGMLQuantizationType(t.qtype))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish_writer(w)
     code, _, err = pagedchat_cli("run", "-m", str(path), "hi")
     assert_one_line(code, err, "blk.0.ffn_down.weight", "IQ4_NL")
 
