@@ -1,7 +1,10 @@
 """Real GGUF models against llama.cpp on the same file, same thread count, alternating runs, medians:
 load to first token of a one-shot run, peak resident memory, batch-1 decode and a 512-token prefill.
 
-    python scripts/bench_real_models.py [--threads 1] [--repeats 3] [--json out.json]
+    python scripts/bench_real_models.py [--threads 1] [--repeats 3] [--json]
+
+With --json the result (both models, their command, date and machine) goes to stdout as one JSON object, which
+scripts/run_benchmarks.sh files as docs/bench-results/real-models-ISA.json; without it, a short table.
 
 Each measurement runs in a fresh process (a worker mode of this script), pagedchat and llama.cpp in turn.
 pagedchat runs the file twice: in its own block formats (the default) and dequantized (`--quantize none`).
@@ -15,6 +18,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 PROMPT = "Write a short story about a lighthouse keeper."
 DECODE_TOKENS = 128
@@ -117,7 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json")
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout instead of the table")
     ap.add_argument("--worker")
     ap.add_argument("--quantize")
     ap.add_argument("paths", nargs="*")
@@ -128,25 +132,25 @@ def main() -> None:
             _worker_llama_cpp(a.paths[0], a.threads)
         print(json.dumps(result))
         return
-    from pagedchat.bench.common import machine_info
+    from pagedchat.bench.common import machine_description
     from pagedchat.bench.real_models import MODELS, fetch
 
     paths = a.paths or [str(fetch(m)) for m in MODELS.values()]
-    report = {"date": time.strftime("%Y-%m-%d"), "machine": machine_info(), "threads": a.threads,
-              "repeats": a.repeats, "models": {}}
+    command = f"python scripts/bench_real_models.py --threads {a.threads} --repeats {a.repeats}"
+    report = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine_description(),
+              "threads": a.threads, "repeats": a.repeats, "models": {}}
     for path in paths:
-        report["models"][path] = measure(path, a.threads, a.repeats)
-        r = report["models"][path]
-        print(f"\n{path} ({a.threads} thread(s), median of {a.repeats})")
-        for name, s in r["systems"].items():
-            print(f"  {name:30s} load {s['load_s']:.2f} s  decode {s['decode_tok_s']:.1f} tok/s  "
-                  f"prefill 512 {s['prefill_512_s']:.2f} s")
-        print(f"  run to first token: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["run_to_first_token_s"].items()))
-        print(f"  peak RSS: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in r["peak_rss_bytes"].items()))
+        report["models"][Path(path).name] = measure(path, a.threads, a.repeats)
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(report, f, indent=1)
-
+        print(json.dumps(report, indent=1))
+        return
+    for name, r in report["models"].items():
+        print(f"\n{name} ({a.threads} thread(s), median of {a.repeats})")
+        for system, s in r["systems"].items():
+            print(f"  {system:30s} load {s['load_s']:.2f} s  decode {s['decode_tok_s']:.1f} tok/s  "
+                  f"prefill 512 {s['prefill_512_s']:.2f} s")
+        print("  run to first token: " + ", ".join(f"{k} {v:.2f} s" for k, v in r["run_to_first_token_s"].items()))
+        print("  peak RSS: " + ", ".join(f"{k} {v / 2**20:.0f} MiB" for k, v in r["peak_rss_bytes"].items()))
 
 if __name__ == "__main__":
     main()

@@ -309,6 +309,31 @@ def resources(r: dict) -> str:
                       x["shared_bytes"]] for x in r["rows"]]))
 
 
+def real_models(r: dict) -> str:
+    """Real GGUF files against llama.cpp on the same file (scripts/bench_real_models.py)."""
+    models = list(r["models"].items())
+    header = [""]
+    for name, _ in models:
+        header += [f"{name}: pagedchat (file formats)", "dequantized", "llama.cpp"]
+    rows = {"batch-1 decode, tok/s": [], "prefill of 512 tokens, s": [], "engine load, s": [],
+            "`run -m FILE \"hi\"`, process start to exit after one token, s": [], "peak resident memory of that run": []}
+    for _, m in models:
+        own, plain, peer = (m["systems"][k] for k in ("pagedchat (file formats)", "pagedchat (--quantize none)",
+                                                       "llama.cpp"))
+        ratio = own["decode_tok_s"] / peer["decode_tok_s"]
+        faster = peer["prefill_512_s"] / own["prefill_512_s"]
+        rows["batch-1 decode, tok/s"] += [f"{own['decode_tok_s']:.1f} ({ratio:.2f}x)", f"{plain['decode_tok_s']:.1f}",
+                                          f"{peer['decode_tok_s']:.1f}"]
+        rows["prefill of 512 tokens, s"] += [f"{secs(own['prefill_512_s'])} ({faster:.2f}x as fast)",
+                                             secs(plain["prefill_512_s"]), secs(peer["prefill_512_s"])]
+        rows["engine load, s"] += [secs(own["load_s"]), secs(plain["load_s"]), secs(peer["load_s"])]
+        first, rss = m["run_to_first_token_s"], m["peak_rss_bytes"]
+        rows[list(rows)[3]] += [secs(first["pagedchat"]), "", secs(first["llama.cpp"])]
+        rows[list(rows)[4]] += [f"{rss['pagedchat'] / 2**20:,.0f} MiB", "", f"{rss['llama.cpp'] / 2**20:,.0f} MiB"]
+    return (f"{r['threads']} thread(s) for every system, medians of {r['repeats']} alternating runs.\n\n"
+            + table(header, [[k, *v] for k, v in rows.items()]))
+
+
 def figures(r: dict) -> str:
     """Any result as its numbers (the GPU check's file: one JSON of every figure)."""
     flat = {}
@@ -327,7 +352,8 @@ def figures(r: dict) -> str:
 RENDERERS = {"memory": memory, "block-size": block_size, "shared-prefix": shared_prefix, "window": window,
              "beams": beams, "batch1": batch1, "throughput": throughput, "chat-turns": chat_turns,
              "chat-forks": chat_forks, "serve": serve, "spec": spec, "accuracy": accuracy, "cpu-sweep": cpu_sweep,
-             "kv-dtype": kv_dtype, "launches": launches, "host-step-ab": host_step_ab, "host-step": host_step, "resources": resources, "figures": figures}
+             "kv-dtype": kv_dtype, "launches": launches, "host-step-ab": host_step_ab, "host-step": host_step, "resources": resources, "real-models": real_models,
+             "figures": figures}
 
 
 # -- the page ------------------------------------------------------------------------------------------------------
