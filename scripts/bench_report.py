@@ -334,6 +334,18 @@ def real_models(r: dict) -> str:
             + table(header, [[k, *v] for k, v in rows.items()]))
 
 
+def web(r: dict) -> str:
+    """The chat page in a real browser (scripts/bench_web.py)."""
+    t = r["token_to_screen_ms"]
+    return (f"{r['browser']}, headless; medians of {r['repeats']} page loads.\n\n"
+            + table(["figure", "measured", "target"],
+                    [["first contentful paint of the page", f"{num(r['first_paint_ms'])} ms", "< 300 ms"],
+                     [f"a streamed piece of a reply on screen after the server has it (median / p95 / max of "
+                      f"{t['pieces']})", f"{t['median']:.1f} / {t['p95']:.1f} / {t['max']:.1f} ms", "< 50 ms"],
+                     ["a saved session of 500 messages opens (click to the frame that shows it)",
+                      f"{num(r['open_500_messages_ms'])} ms", "< 500 ms"]]))
+
+
 def figures(r: dict) -> str:
     """Any result as its numbers (the GPU check's file: one JSON of every figure)."""
     flat = {}
@@ -353,7 +365,7 @@ RENDERERS = {"memory": memory, "block-size": block_size, "shared-prefix": shared
              "beams": beams, "batch1": batch1, "throughput": throughput, "chat-turns": chat_turns,
              "chat-forks": chat_forks, "serve": serve, "spec": spec, "accuracy": accuracy, "cpu-sweep": cpu_sweep,
              "kv-dtype": kv_dtype, "launches": launches, "host-step-ab": host_step_ab, "host-step": host_step, "resources": resources, "real-models": real_models,
-             "figures": figures}
+             "web": web, "figures": figures}
 
 
 # -- the page ------------------------------------------------------------------------------------------------------

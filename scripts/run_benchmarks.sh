@@ -5,7 +5,7 @@
 # Then scripts/bench_report.py writes the page's tables from the files (no number in them is typed by hand).
 #
 #   scripts/run_benchmarks.sh                 # every group (about 50 minutes on a 2-core CPU)
-#   ONLY=throughput scripts/run_benchmarks.sh # one group: memory | throughput | chat | serve | spec | accuracy | real | gpu
+#   ONLY=throughput scripts/run_benchmarks.sh # one group: memory | throughput | chat | serve | spec | accuracy | real | web | gpu
 #
 # Run it on a quiet machine: every comparison alternates the systems in one run, but a busy neighbour still
 # moves the ratios. The llama.cpp rows need llama-cpp-python (without it they are left out, with a note).
@@ -68,6 +68,9 @@ if want accuracy; then   # not a timing, but the native int8 path differs per IS
 fi
 if want real; then        # the published GGUF files against llama.cpp on the same file (fetched on first use)
     run "real-models-$ISA" -- python scripts/bench_real_models.py --threads 1 --repeats 3 --json
+fi
+if want web; then         # the chat page in Debian's chromium (apt install chromium chromium-driver)
+    run "web-$ISA" -- python scripts/bench_web.py --repeats 5 --json
 fi
 if want gpu; then         # what a CPU can measure of the CUDA path: launches per step, sm_90 registers
     run launches-fused-cpu -- pagedchat bench launches --device cpu --json

@@ -51,3 +51,40 @@ def serving_model(path, name: str, api_key: str | None = None, kv_memory: str = 
             os.environ.pop("XDG_CONFIG_HOME") if old is None else os.environ.update(XDG_CONFIG_HOME=old)
     with serving(create_app(AsyncEngine(engine), settings_for(entry, api_key, name))) as url:
         yield url, engine
+
+
+@contextlib.contextmanager
+def serving_page(model: str, sessions, api_key: str | None = None, kv_memory: str = "8MiB", allowed_hosts=()):
+    """Yield (page URL http://127.0.0.1:PORT/, AsyncEngine) of `pagedchat serve -m MODEL` as the command builds it:
+    the OpenAI API, the chat page on the session folder `sessions`, behind the Host/Origin guard."""
+    import uvicorn  # noqa: F401  (serving() needs it)
+
+    from pagedchat.chat.store import SessionStore
+    from pagedchat.serve import AsyncEngine, create_app
+    from pagedchat.serve.guard import HostGuard
+    from pagedchat.serve.server import settings_for
+    from pagedchat.settings import ModelOptions, load_engine
+    from pagedchat.web import mount
+
+    engine, entry = load_engine(ModelOptions(model=str(model), device="cpu", kv_memory=kv_memory), show_progress=False)
+    aengine = AsyncEngine(engine)
+    app = create_app(aengine, settings_for(entry, api_key, None))
+    mount(app, entry, SessionStore(sessions))
+    with serving(HostGuard(app, "127.0.0.1", allowed_hosts)) as url:
+        yield url.removesuffix("v1"), aengine
+
+
+@contextlib.contextmanager
+def slow_steps(aengine, seconds: float):
+    """Every engine step takes `seconds` longer while inside: a reply streams long enough to be stopped or seen
+    arriving in pieces."""
+    real = aengine.engine.step
+
+    def step():
+        time.sleep(seconds)
+        return real()
+    aengine.engine.step = step
+    try:
+        yield
+    finally:
+        aengine.engine.step = real

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FLOORS = [   # (name, module prefixes), top to bottom
     ("front door", ["pagedchat.cli", "pagedchat.commands"]),
-    ("front ends", ["pagedchat.chat", "pagedchat.serve", "pagedchat.bench"]),
+    ("front ends", ["pagedchat.chat", "pagedchat.serve", "pagedchat.web", "pagedchat.bench"]),
     ("shared by the front ends", ["pagedchat.settings", "pagedchat.prompts", "pagedchat.registry",
                                   "pagedchat.remote", "pagedchat.reasoning"]),
     ("engine API", ["pagedchat.engine.engine", "pagedchat.engine.outputs", "pagedchat.engine"]),

@@ -20,8 +20,8 @@ from pagedchat.chat.context import CONTEXT_LEAD, as_messages, fit, path_with_sys
 from pagedchat.chat.stats import node_stats, pool_report, turn_stats
 from pagedchat.chat.backend import ChatBackend
 from pagedchat.chat.options import ChatOptions
-from pagedchat.chat.session import Session, check_name
-from pagedchat.chat.store import SaveError, SessionStore
+from pagedchat.chat.session import Session, check_name, rebase
+from pagedchat.chat.store import SaveError, SessionStore, StaleSession
 from pagedchat.chat.tree import Node
 from pagedchat.chat.turns import Templater, TextOnlyTemplater
 from pagedchat.errors import UserError
@@ -128,19 +128,36 @@ class ChatController:
             del self.sessions[session.name]
             session.name = as_name
             self.sessions[as_name] = session
-        path = self.store.save(session)
+        self.save_or_rebase(session)
         self.backend.persist(list(session.handles.values()))
-        return path
+        return self.store.path(session.name)
 
     def autosave(self) -> str | None:
-        """Save after a change that is not a turn (head moved, settings); the error line if it failed."""
+        """Save after a change that is not a turn (head moved, settings): the line to show, if any (why it failed,
+        or that another window had saved the session meanwhile)."""
         if self.current is None or not (self.current.tree.nodes or self.store.exists(self.current.name)):
             return None  # nothing worth a file yet
         try:
-            self.store.save(self.current)
+            return rebased_note(self.current, self.save_or_rebase(self.current))
         except SaveError as e:
             return str(e)
-        return None
+
+    def save_or_rebase(self, s: Session) -> dict[int, int] | None:
+        """Save s. When another writer (a browser tab, another REPL) saved it meanwhile, reload its copy and
+        add what s has new on top (session.rebase): nothing of either is lost. Returns None, or when it rebased
+        the new ids of the nodes it moved."""
+        try:
+            self.store.save(s)
+            return None
+        except StaleSession:
+            saved = self.store.load(s.name)
+            try:
+                moved = rebase(s, saved)
+            except ValueError as e:
+                raise SaveError(f"session {s.name} was changed elsewhere and no longer holds this branch ({e}); "
+                                f"nothing was saved: /save NEW_NAME keeps this copy") from None
+            self.store.save(s)
+            return moved
 
     # -- settings of the current session (chat/options.py) ---------------------------------------------------
     @property
@@ -383,9 +400,14 @@ class ChatController:
             result.notes.append(f"reply capped at {stats['capped_max_tokens']} tokens to leave room in the "
                                 f"{stats['max_context']}-token context")
         try:
-            self.store.save(s)
+            moved = self.save_or_rebase(s)
         except SaveError as e:
             result.save_error = str(e)
+        else:
+            if moved is not None:
+                result.notes.append(rebased_note(s, moved))
+                result.user = s.tree.get(moved.get(user_node.id, user_node.id)) if user_node is not None else None
+                result.replies = [s.tree.get(moved.get(r.id, r.id)) for r in replies]
         # Write the branch heads' full blocks through to the disk tier: reopening this session in another
         # process loads them instead of prefilling the whole history again.
         self.backend.persist(list(s.handles.values()))
@@ -402,3 +424,10 @@ class ChatController:
     # -- pool ------------------------------------------------------------------------------------------------
     def pool_stats(self) -> dict:
         return pool_report(self.backend, self.sessions, self.last_stats)
+
+
+def rebased_note(s: Session, moved: dict | None) -> str | None:
+    if moved is None:
+        return None
+    return (f"session {s.name} was changed in another window meanwhile: reloaded it ({len(s.tree)} nodes) and "
+            f"added this change to it")

@@ -2,6 +2,8 @@
 
 The JSON form (what sessions/NAME.json holds) records everything needed to resume token-exactly. Pins
 (engine handles of branch heads) are runtime only: after a reload the prefix cache serves what it still holds.
+`revision` counts the saves: a writer whose copy is older than the file's (the same session open in the REPL
+and in a browser) is told so instead of overwriting (store.py).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Session:
     head: int | None = None
     last_fork: list[int] = field(default_factory=list)  # node ids of the newest /fork's variants (for /pick)
     tree: Tree = field(default_factory=Tree)
+    revision: int = 0                   # the saved copy this one is based on (0: never saved)
     handles: dict = field(default_factory=dict, repr=False)  # node id -> pinned engine Branch (not saved)
     set_keys: set = field(default_factory=set, repr=False)   # settings changed with /set in this run
     compact_next: bool = field(default=False, repr=False)    # /compact: the next message drops old turns
@@ -61,7 +64,7 @@ class Session:
         return {"version": FORMAT_VERSION, "name": self.name, "model": self.model, "model_path": self.model_path,
                 "fingerprint": self.fingerprint, "system": self.system, "settings": self.settings,
                 "created": self.created, "updated": self.updated, "head": self.head, "last_fork": self.last_fork,
-                "nodes": self.tree.to_list()}
+                "revision": self.revision, "nodes": self.tree.to_list()}
 
     @classmethod
     def from_dict(cls, data: dict, name: str | None = None) -> "Session":
@@ -82,7 +85,37 @@ class Session:
         if system is not None and not isinstance(system, str):
             raise ValueError("system must be a string")
         last_fork = [i for i in data.get("last_fork") or [] if i in tree]
+        revision = data.get("revision", 0)
+        if not isinstance(revision, int) or isinstance(revision, bool) or revision < 0:
+            raise ValueError("revision must be a count")
         return cls(name=name or data.get("name") or "", model=str(data.get("model") or ""),
                    model_path=str(data.get("model_path") or ""), fingerprint=data.get("fingerprint") or {},
                    system=system, settings=settings, created=str(data.get("created") or now_iso()),
-                   updated=str(data.get("updated") or now_iso()), head=head, last_fork=last_fork, tree=tree)
+                   updated=str(data.get("updated") or now_iso()), head=head, last_fork=last_fork, tree=tree,
+                   revision=revision)
+
+
+def rebase(mine: Session, saved: Session) -> dict[int, int]:
+    """Lay the nodes `mine` added since it was read onto `saved`, a newer copy another writer saved, in place:
+    `mine` becomes saved's tree plus its own new nodes (fresh ids), its head, last fork and pins following
+    them, at saved's revision. Nothing of either writer is lost. Returns {old id: new id} of the moved nodes.
+    Raises ValueError when `saved` lacks a node one of mine answers (not the same conversation any more)."""
+    tree, moved = saved.tree, {}
+    for node in sorted(mine.tree.nodes.values(), key=lambda n: n.id):
+        twin = tree.nodes.get(node.id)
+        if twin is not None and (twin.created, twin.role, twin.token_ids) == (node.created, node.role, node.token_ids):
+            continue
+        parent = moved.get(node.parent, node.parent)
+        if parent is not None and parent not in tree:
+            raise ValueError(f"the saved copy has no node #{parent}")
+        fields = {k: v for k, v in node.to_dict().items() if k not in ("id", "parent", "role", "text", "token_ids")}
+        if node.context is not None:
+            fields["context"] = {**node.context, "dropped": [moved.get(i, i) for i in node.context["dropped"]]}
+        moved[node.id] = tree.add(parent, node.role, node.text, node.token_ids, **fields).id
+    follow = lambda i: moved.get(i, i)   # noqa: E731
+    mine.tree, mine.revision = tree, saved.revision
+    mine.head = follow(mine.head) if mine.head is not None else None
+    mine.last_fork = [follow(i) for i in mine.last_fork] if any(i in moved for i in mine.last_fork) else saved.last_fork
+    mine.handles = {follow(i): h for i, h in mine.handles.items() if follow(i) in tree}
+    mine.settings = {**saved.settings, **{k: v for k, v in mine.settings.items() if k in mine.set_keys}}
+    return moved

@@ -3,6 +3,10 @@
 Writes are atomic (a temp file in the same folder, fsync, os.replace), files are 0600 and folders 0700, so
 a crash or a full disk never leaves a half-written session. A file that cannot be parsed is moved aside as
 NAME.json.corrupt with a one-line report; the other sessions stay usable.
+
+Two writers of one session (the REPL and a browser tab, two tabs) never overwrite each other: a save holds a
+lock on the sessions folder while it checks that the file is still at the revision the writer's copy was
+based on, and raises StaleSession otherwise.
 """
 
 from __future__ import annotations
@@ -10,8 +14,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:     # not on POSIX: saves are still atomic, only the two-writer check is unlocked
+    fcntl = None
 
 from pagedchat.chat.session import Session, check_name
 from pagedchat.chat.tree import now_iso
@@ -20,6 +30,15 @@ from pagedchat.errors import UserError
 
 class SaveError(UserError):
     """A session could not be written; the previous copy on disk is intact."""
+
+
+class StaleSession(UserError):
+    """Another writer saved the session since this copy was read: nothing was written."""
+
+    def __init__(self, name: str, on_disk: int, based_on: int):
+        super().__init__(f"session {name} was changed elsewhere (another window or tab saved revision {on_disk}; "
+                         f"this copy is revision {based_on}): reload it")
+        self.on_disk = on_disk
 
 
 class CorruptSession(UserError):
@@ -65,13 +84,49 @@ class SessionStore:
 
     # -- write ----------------------------------------------------------------------------------------------
     def save(self, session: Session) -> Path:
-        target = self.path(session.name)
-        session.updated = now_iso()
-        data = json.dumps(session.to_dict(), ensure_ascii=False, separators=(",", ":")).encode()
-        tmp = None
+        """Write the session as revision session.revision + 1; StaleSession when the file is no longer at
+        session.revision (another writer saved it), SaveError when it cannot be written."""
+        with self._locked(session.name):
+            on_disk = self.revision(session.name)
+            if on_disk is not None and on_disk != session.revision:
+                raise StaleSession(session.name, on_disk, session.revision)
+            self._write(session, session.revision + 1)
+        return self.path(session.name)
+
+    def revision(self, name: str) -> int | None:
+        """The revision of the saved file (None: no readable file)."""
+        try:
+            data = json.loads(self.path(name).read_bytes())
+        except (OSError, ValueError):
+            return None
+        revision = data.get("revision", 0) if isinstance(data, dict) else None
+        return revision if isinstance(revision, int) else None
+
+    @contextmanager
+    def _locked(self, name: str):
+        """The sessions folder locked across processes while a save checks the revision and writes (a lock on
+        the folder itself: no lock files beside the sessions; a save takes milliseconds)."""
         try:
             make_private_dir(self.root.parent)
             make_private_dir(self.root)
+            fd = os.open(self.root, os.O_RDONLY)
+        except OSError as e:
+            raise SaveError(f"could not save session {name} in {self.root}: {e.strerror} (the previous copy on "
+                            f"disk is unchanged)") from None
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)       # closing releases the lock
+
+    def _write(self, session: Session, revision: int) -> None:
+        target = self.path(session.name)
+        updated = now_iso()
+        data = json.dumps({**session.to_dict(), "updated": updated, "revision": revision}, ensure_ascii=False,
+                          separators=(",", ":")).encode()
+        tmp = None
+        try:
             fd, tmp = tempfile.mkstemp(prefix=f".{session.name}.", suffix=".tmp", dir=self.root)  # mode 0600
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
@@ -79,6 +134,7 @@ class SessionStore:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
             tmp = None
+            session.updated, session.revision = updated, revision
         except OSError as e:
             reason = e.strerror or str(e)
             raise SaveError(f"could not save session {session.name} to {target}: {reason} "
@@ -89,7 +145,6 @@ class SessionStore:
                     os.unlink(tmp)
                 except OSError:
                     pass
-        return target
 
     def remove(self, name: str) -> Path:
         path = self.path(name)

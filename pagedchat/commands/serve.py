@@ -41,6 +41,14 @@ def serve(
     context_overflow: Optional[str] = common.CONTEXT_OVERFLOW,
     quantize: Optional[str] = common.QUANTIZE,
     kv_dtype: Optional[str] = common.KV_DTYPE,
+    no_web: bool = typer.Option(False, "--no-web", help="Do not serve the chat page at / (the API only)."),
+    allowed_host: list[str] = typer.Option([], "--allowed-host",
+                                           help="Also answer to this host name (besides the listening address, "
+                                                "localhost, 127.0.0.1 and [::1]); repeatable. Other names are "
+                                                "refused: DNS rebinding protection."),
+    allowed_origin: list[str] = typer.Option([], "--allowed-origin",
+                                             help="Also accept state-changing requests from web pages of this "
+                                                  "origin (e.g. http://localhost:3000); repeatable."),
 ) -> None:
     from pagedchat.serve.server import run_server
 
@@ -49,4 +57,5 @@ def serve(
                                max_context=max_context, kv_allocation=kv_allocation,
                                speculate=speculate, num_draft_tokens=num_draft_tokens, draft_model=draft_model,
                                quantize=quantize, kv_disk=kv_disk, kv_ram=kv_ram, kv_dtype=kv_dtype)
-    run_server(opts, host, port, api_key, served_model_name, verbose, context_overflow)
+    run_server(opts, host, port, api_key, served_model_name, verbose, context_overflow, web=not no_web,
+               allowed_hosts=tuple(allowed_host), allowed_origins=tuple(allowed_origin))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from contextlib import closing
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -709,9 +710,16 @@ class Engine:
 
     def blocks_held(self, handles: Iterable[Branch | Sequence | None]) -> int:
         """Distinct blocks held by these pinned branches (what a session costs the pool)."""
+        return self.block_sharing(handles)[0]
+
+    def block_sharing(self, handles: Iterable[Branch | Sequence | None]) -> tuple[int, int]:
+        """(distinct blocks these pinned branches hold, how many of them two or more of the branches hold):
+        what a conversation's branches cost the pool, and what they share instead of copying."""
         seqs = [_sequence(h) for h in handles]
         pinned = [s for s in seqs if s is not None and s.status == SeqStatus.PINNED]
-        return len({b for s in pinned for t in [s.block_table, *WindowTables.live_tables(s)] for b in t})
+        holders = Counter(b for s in pinned for b in {b for t in [s.block_table, *WindowTables.live_tables(s)]
+                                                       for b in t})
+        return len(holders), sum(1 for n in holders.values() if n > 1)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants(self.scheduler.all_tables())

@@ -65,13 +65,7 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
     app = FastAPI(title="pagedchat", lifespan=lifespan, docs_url=None, redoc_url=None)
     _install_error_handlers(app)
 
-    async def require_key(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), settings.api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the key "
-                                "given to `pagedchat serve --api-key`.", code="invalid_api_key")
+    require_key = key_checker(settings.api_key)
 
     def check_model(name: str) -> None:
         if name not in accepted:
@@ -271,7 +265,20 @@ def create_app(aengine: AsyncEngine, settings: ServeSettings) -> FastAPI:
 
     app.state.aengine = aengine
     app.state.settings = settings
+    app.state.require_key = require_key     # the web page's API (pagedchat/web) takes the same key
     return app
+
+
+def key_checker(api_key: str | None):
+    """A FastAPI dependency: with an API key set, every request must carry it as a bearer token."""
+    async def require_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the key "
+                                "given to `pagedchat serve --api-key`.", code="invalid_api_key")
+    return require_key
 
 
 def _encode_vector(vector: list[float], encoding_format: str):

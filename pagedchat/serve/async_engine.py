@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections import deque
@@ -97,6 +98,30 @@ class RequestGroup:
             pass
 
 
+class BlockingGroup:
+    """The requests of a caller on another thread (a chat turn of the web page runs the chat layer in a worker
+    thread): the same items as a RequestGroup, on a thread-safe queue. `stop()` wakes a waiting `get`."""
+
+    STOP = object()
+    _ids = itertools.count()
+
+    def __init__(self, size: int):
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.name = f"b{next(self._ids)}"
+        self.request_ids: list[str | None] = [None] * size
+        self.prompt_ids: list[list[int] | None] = [None] * size
+
+    def get(self) -> list:
+        return self.queue.get()
+
+    def stop(self) -> None:
+        """Any thread: the waiting consumer gets [BlockingGroup.STOP] next (it then calls AsyncEngine.stop_group)."""
+        self.queue.put([self.STOP])
+
+    def _push(self, items: list) -> None:
+        self.queue.put(items)
+
+
 @dataclass
 class Counters:
     total: int = 0           # engine requests accepted
@@ -172,6 +197,36 @@ class AsyncEngine:
             raise
         self._open.add(group)
         return group
+
+    # -- callers on other threads (the web page's chat turns) -----------------------------------------------
+    def run(self, fn: Callable[[Engine], object]):
+        """submit() and wait: for worker threads only (on the event loop it would block every client, on the
+        loop thread it would wait for itself)."""
+        assert threading.current_thread() is not self._thread, "run() on the engine loop thread would deadlock"
+        assert self.loop is None or _not_on(self.loop), "run() on the event loop would block every client"
+        return self.submit(fn).result()
+
+    def add_blocking(self, prompt: list[int], params: SamplingParams, **request) -> BlockingGroup:
+        """One engine request (add_request's keep/parent/context in `request`) whose items a worker thread
+        reads with BlockingGroup.get(). Raises the engine's errors before anything is queued."""
+        group = BlockingGroup(1)
+        arrived = time.perf_counter()
+        self.run(lambda engine: self._add_group(engine, group, [lambda _: prompt], params, arrived, request))
+        return group
+
+    def stop_group(self, group: BlockingGroup) -> list:
+        """Stop a blocking group's unfinished requests now and return their outputs as they stand (partial
+        replies, finish_reason "abort"; variants that already finished keep their pins)."""
+        def stop(engine: Engine) -> list:
+            outputs = []
+            for rid in group.request_ids:
+                if rid is not None and self._slots.pop(rid, None) is not None:
+                    engine.abort(rid)
+                    outputs.append(engine.pop_output(rid))
+                    self.metrics.ended(rid, "abort")
+                    self.counters.aborted += 1
+            return outputs
+        return self.run(stop)
 
     # -- the loop thread ------------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -259,12 +314,12 @@ class AsyncEngine:
         for group, items in batches.items():
             group._push(items)
 
-    def _add_group(self, engine: Engine, group: RequestGroup, prompts, params: SamplingParams,
-                   arrived: float) -> None:
+    def _add_group(self, engine: Engine, group, prompts, params: SamplingParams, arrived: float,
+                   request: dict | None = None) -> None:
         token_ids = [prepare(engine) for prepare in prompts]   # template/tokenizer errors: nothing added yet
         try:
             for slot, ids in enumerate(token_ids):
-                rid = engine.add_request(ids, params, request_id=f"{group.name}-{slot}")
+                rid = engine.add_request(ids, params, request_id=f"{group.name}-{slot}", **(request or {}))
                 group.request_ids[slot] = rid
                 group.prompt_ids[slot] = ids
                 self._slots[rid] = (group, slot)
@@ -307,3 +362,10 @@ class AsyncEngine:
                 future.set_exception(RuntimeError("the engine loop has stopped"))
         self._fail_all(Failure("the server is shutting down", 503, "server_shutting_down"))
         self.engine.close()  # cached prompts (a shared system prompt) reach the disk tier for the next start
+
+
+def _not_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is not loop
+    except RuntimeError:
+        return True

@@ -35,6 +35,14 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}/v1" if ":" in host else f"http://{host}:{port}/v1"
 
 
+def page_url(sock: socket.socket) -> str:
+    """The chat page's address: a wildcard bind is shown as localhost (the name the page answers to)."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = "localhost"
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -63,12 +71,14 @@ def settings_for(entry, api_key: str | None, served_model_name: str | None, cont
 
 
 def run_server(model_opts, host: str, port: int, api_key: str | None, served_model_name: str | None = None,
-               verbose: bool = False, context_overflow: str | None = None) -> None:
+               verbose: bool = False, context_overflow: str | None = None, web: bool = True,
+               allowed_hosts: tuple[str, ...] = (), allowed_origins: tuple[str, ...] = ()) -> None:
     import uvicorn
 
     from pagedchat.settings import load_engine
     from pagedchat.serve.app import create_app
     from pagedchat.serve.async_engine import AsyncEngine
+    from pagedchat.serve.guard import HostGuard
 
     sock = bind_socket(host, port)
     if not is_loopback(host) and not api_key:
@@ -78,13 +88,20 @@ def run_server(model_opts, host: str, port: int, api_key: str | None, served_mod
         engine, entry = load_engine(model_opts)
         aengine = AsyncEngine(engine)
         app = create_app(aengine, settings_for(entry, api_key, served_model_name, context_overflow))
-        config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose,
+        if web:
+            from pagedchat.web import mount
+
+            mount(app, entry)
+        guarded = HostGuard(app, host, allowed_hosts, allowed_origins)
+        config = uvicorn.Config(guarded, log_level="info" if verbose else "warning", access_log=verbose,
                                 timeout_graceful_shutdown=5, lifespan="on")
         server = _make_server(config, aengine)
         pool = engine.pool_stats()
         name = served_model_name or entry.name
         print(f"pagedchat serve: {url_of(sock)}  model {name}  KV pool {pool.num_blocks} blocks x "
               f"{pool.block_size} = {pool.capacity_tokens} tokens ({pool.kv_dtype})  (Ctrl-C to stop)", flush=True)
+        if web:
+            print(f"pagedchat serve: chat page at {page_url(sock)}", flush=True)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it handled once it has shut down
