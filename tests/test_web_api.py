@@ -5,7 +5,10 @@ the pool per session, and the server's guards (Host, Origin, API key)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
@@ -283,3 +286,25 @@ def test_the_page_and_its_files(page):
         assert client.get(f"/static/{name}").status_code == 200
     assert client.get("/static/../pyproject.toml").status_code == 404
     assert client.get("/static/index.html").status_code == 404
+
+
+@pytest.mark.parametrize("web", [True, False])
+def test_the_serve_command_shows_the_page_unless_no_web(model, tmp_path, web):
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    args = [sys.executable, "-m", "pagedchat.cli", "serve", "-m", str(model), "--port", "0", "--kv-memory", "1MiB"]
+    proc = subprocess.Popen(args + ([] if web else ["--no-web"]), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        base = first.split()[2].removesuffix("v1")
+        if web:
+            second = proc.stdout.readline()
+            assert second.strip() == f"pagedchat serve: chat page at {base}"
+        page = httpx.get(base, timeout=30)
+        assert (page.status_code, "data-action=\"send\"" in page.text) == ((200, True) if web else (404, False))
+        assert httpx.get(base + "api/info", timeout=30).status_code == (200 if web else 404)
+        assert httpx.get(base + "v1/models", timeout=30).status_code == 200
+        assert httpx.get(base + "v1/models", headers={"Host": "evil.example"}, timeout=30).status_code == 421
+    finally:
+        proc.terminate()
+        proc.wait(30)

@@ -249,3 +249,35 @@ def test_page_speed_is_measured(page, server):
         "return window.__pagedchat.session.name === 'long' && window.__pagedchat.timings.open_ms"))
     assert len(messages(driver)) == 500 and paint > 0 and opened > 0
     print(f"\nfirst paint {paint:.0f} ms; 500-message session opened in {opened:.0f} ms")
+
+
+def test_reasoning_is_folded_away(page):
+    from pagedchat.chat.store import SessionStore
+
+    driver, url, _, sessions, name = page
+    store = SessionStore(sessions)
+    session = store.load(name)
+    user = session.tree.add(None, "user", "think first", [1])
+    session.head = session.tree.add(user.id, "assistant", "<think>secret steps</think>The **answer**.", [2]).id
+    store.save(session)
+    driver.refresh()
+    open_page(driver, url)
+    reply = wait_until(lambda: q(driver, "[data-role=assistant] [data-content]"))[0]
+    details = reply.find_element(By.CSS_SELECTOR, "details.reasoning")
+    assert details.get_attribute("open") is None and "secret steps" not in reply.text
+    assert reply.find_element(By.CSS_SELECTOR, "strong").text == "answer"
+    details.find_element(By.TAG_NAME, "summary").click()
+    assert "secret steps" in reply.text
+
+
+def test_with_an_api_key_the_page_asks_for_it(browser, tmp_path):
+    with serving_page("demo", tmp_path / "sessions", api_key="sekrit") as (url, _):
+        browser.execute_script("sessionStorage.clear()")
+        browser.get(url)
+        dialog = wait_until(lambda: [d for d in q(browser, "#key-dialog") if d.is_displayed()])[0]
+        dialog.find_element(By.CSS_SELECTOR, "input[name=api-key]").send_keys("sekrit", Keys.ENTER)
+        wait_until(lambda: browser.execute_script("return document.documentElement.dataset.ready === 'true'"))
+        assert browser.find_element(By.ID, "model-name").text == "demo"
+        send_and_wait(browser, "What is 2 + 2?")
+        assert len(messages(browser)) == 2
+        browser.execute_script("sessionStorage.clear()")
