@@ -116,6 +116,8 @@ def test_a_model_no_kernel_runs_as_stored_is_dequantized_at_load_with_a_note(ggu
     path, oracle = gguf_model("gemma3", "Q8_0")
     with caplog.at_level("WARNING", logger="pagedchat.engine"):
         eng = engine(path, quantize=None)
-    assert not any(isinstance(m, GGUFLinear) for m in eng.loaded.model.modules())
+    model = eng.loaded.model
+    assert not any(isinstance(m, GGUFLinear) for m in model.modules())
+    assert model.lm_head.weight is model.embed_tokens.weight    # a tied head is the embedding table, not a copy
     assert "dequantized to float32 at load" in caplog.text
     check_alone_batched_and_variants(eng, oracle)

@@ -73,12 +73,23 @@ def dequantize_linears(model: nn.Module, dtype: torch.dtype) -> bool:
             parent_name, _, attr = name.rpartition(".")
             dense = Linear(module.in_features, module.out_features, bias=module.bias is not None,
                            device=module.part0.device, dtype=dtype)
-            dense.weight.data = module.dequantized(dtype)
+            if name == "lm_head" and _tied_to_embedding(model, dtype):
+                dense.weight = model.embed_tokens.weight   # the same blocks, dequantized the same way: one copy
+            else:
+                dense.weight.data = module.dequantized(dtype)
             if module.bias is not None:
                 dense.bias.data = module.bias.to(dtype)
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, dense)
             found = True
     return found
+
+
+def _tied_to_embedding(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether the LM head's blocks are the embedding's (load_tensors ties them so) and the embedding table,
+    already dequantized, holds exactly what dequantizing them again would give (Gemma 3's 262k x 640 table:
+    one fp32 copy instead of two, 671 MB)."""
+    spec, embed = getattr(model, "spec", None), getattr(model, "embed_tokens", None)
+    return bool(getattr(spec, "tie_embeddings", False)) and embed is not None and embed.weight.dtype == dtype
 
 
 def _keep_blocks(gguf: GGUFFile, quantize: str | None) -> bool:
@@ -152,9 +163,18 @@ def _dequantized(raw: np.ndarray, tensor: GGUFTensor, arch: str) -> torch.Tensor
     return values
 
 
+FILL_ROWS = 8192   # rows dequantized at a time into a parameter: no second full-size copy of a large table
+
+
 def _fill(param: torch.Tensor, offset, rows: int, raw: np.ndarray, tensor: GGUFTensor, arch: str) -> int:
-    """Dequantize into the parameter's rows; the number of values filled."""
+    """Dequantize into the parameter's rows; the number of values filled. A large matrix (Gemma 3's 262k-row
+    embedding) goes a slice of rows at a time, so loading never holds its values twice."""
     dest = target_rows(param, offset, rows)
+    if raw.ndim == 2 and dest.dim() == 2 and raw.shape[0] == dest.shape[0] > FILL_ROWS:
+        for r in range(0, raw.shape[0], FILL_ROWS):
+            part = _dequantized(raw[r:r + FILL_ROWS], tensor, arch)
+            dest[r:r + FILL_ROWS].copy_(part.reshape(-1, dest.shape[1]))
+        return dest.numel()
     values = _dequantized(raw, tensor, arch)
     if values.numel() != dest.numel():
         raise ModelLoadError(f"{tensor.name} has {values.numel()} values, the model expects {tuple(dest.shape)}")
