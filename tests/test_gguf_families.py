@@ -109,15 +109,35 @@ def test_weights_kept_in_the_file_format_give_the_same_tokens(gguf_model, qtype)
 
 
 def test_a_model_no_kernel_runs_as_stored_is_dequantized_at_load_with_a_note(gguf_model, caplog):
-    """Gemma and the MoE families have no CPU kernel for the block formats yet: dequantizing every weight at
-    every step would be far slower than dequantizing once, so they load dequantized and say so."""
+    """The MoE families have no CPU kernel for the block formats yet: dequantizing every weight at every step
+    would be far slower than dequantizing once, so they load dequantized and say so."""
     from pagedchat.model.gguf.linear import GGUFLinear
 
-    path, oracle = gguf_model("gemma3", "Q8_0")
+    path, oracle = gguf_model("qwen3_moe", "Q8_0")
     with caplog.at_level("WARNING", logger="pagedchat.engine"):
         eng = engine(path, quantize=None)
-    model = eng.loaded.model
-    assert not any(isinstance(m, GGUFLinear) for m in model.modules())
-    assert model.lm_head.weight is model.embed_tokens.weight    # a tied head is the embedding table, not a copy
+    assert not any(isinstance(m, GGUFLinear) for m in eng.loaded.model.modules())
     assert "dequantized to float32 at load" in caplog.text
     check_alone_batched_and_variants(eng, oracle)
+
+
+def test_a_dequantized_tied_head_is_the_embedding_table(gguf_model):
+    """A tied LM head dequantized at load is the embedding table itself, not a second copy of it."""
+    path, oracle = gguf_model("gemma3", "Q8_0")
+    model = engine(path).loaded.model      # --quantize none: every weight dequantized
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+def test_gemma3_keeps_its_blocks_for_the_native_step(gguf_model, caplog):
+    """Gemma 3's forward is in the native CPU step: its blocks stay as stored, nothing is dequantized at load
+    (tests/test_native_gguf.py holds its steps to their twin)."""
+    from pagedchat.model.gguf.linear import GGUFLinear
+    from pagedchat.native import build
+
+    if build.load(wait=True) is None:
+        pytest.skip("no native build here (no C compiler?)")
+    path, _ = gguf_model("gemma3", "Q8_0")
+    with caplog.at_level("WARNING", logger="pagedchat.engine"):
+        eng = engine(path, quantize=None)
+    assert eng.runner.native is not None and "dequantized" not in caplog.text
+    assert isinstance(eng.loaded.model.lm_head, GGUFLinear)   # the embedding's blocks, as the file has them

@@ -1,4 +1,4 @@
-"""The native CPU decode step (pagedchat/native): one C call per decode step of a Llama-family model.
+"""The native CPU decode step (pagedchat/native): one C call per decode step of a Llama-family or Gemma 3 model.
 
 It must compute what the torch path computes (logits and the K/V it writes, up to float summation order) on
 every architecture it binds to, fp32 and int8, one thread or two, over scattered block tables and a pool whose
@@ -448,7 +448,46 @@ def test_native_and_torch_engines_agree_on_forks_and_shared_blocks(model_dirs):
     assert [c.token_ids for c in engine.generate([prompt], params)[0].outputs] == native
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3", "mixtral"])
+def test_gemma3_decodes_natively_across_its_windows_and_matches_transformers(model_dirs):
+    """Gemma 3: norms of 1 + weight around attention and MLP, GELU, embeddings times sqrt(hidden), per-layer
+    rope tables, and window layers (window 24 here, blocks of 8) reading their own block tables, whose blocks
+    behind every window are released (-1): the replies run well past the window."""
+    path, hf = model_dirs["gemma3"]
+    engine = engine_for(path)
+    assert engine.runner._window_groups() > 0
+    calls = count_native_steps(engine.runner)
+    prompts = [[5 + i % 200 for i in range(n)] for n in (3, 20, 41)]
+    params = GREEDY.with_(max_tokens=40)
+    outs = engine.generate(prompts, params)
+    assert sum(calls) >= sum(len(out.outputs[0].token_ids) - 1 for out in outs) - 3 > 0
+    for prompt, out in zip(prompts, outs):
+        assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, params.max_tokens))
+    engine.check_invariants()
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_gemma3_native_and_torch_engines_agree_on_forks_and_verify_steps(model_dirs, kv_dtype):
+    """Sampled variants (forks sharing the prompt's blocks in every layer group) and n-gram verify steps (a
+    window layer's queries of one step each see their own window): the native step gives the torch path's
+    tokens, on a float and an int8 pool."""
+    path, _ = model_dirs["gemma3"]
+    prompt = [5, 6, 7, 8, 9] * 8
+    runs = []
+    for native in (True, False):
+        engine = engine_for(path, kv_dtype=kv_dtype, speculate="ngram")
+        calls = count_native_steps(engine.runner)
+        if not native:
+            engine.runner.native = None
+        variants = engine.generate([prompt], SamplingParams(temperature=0.9, seed=3, n=3, max_tokens=30,
+                                                             ignore_eos=True))[0]
+        greedy = engine.generate([prompt], GREEDY.with_(max_tokens=30))[0]
+        runs.append(([c.token_ids for c in variants.outputs], greedy.outputs[0].token_ids))
+        assert (max(calls, default=0) > 1) == native    # verify steps ran natively
+        engine.check_invariants()
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "phi3", "mixtral"])
 def test_other_families_keep_the_torch_path(model_dirs, arch):
     assert engine_for(model_dirs[arch][0]).runner.native is None
 

@@ -198,6 +198,18 @@ def test_unsupported_parts_keep_the_torch_path():
 
 
 # -- the whole step -----------------------------------------------------------------------------------------------
+def hf_with_random_norms(arch: str, root: Path, low: float):
+    """The tests' HF model of `arch` with rows of whole K-quant super-blocks and norm weights uniform in
+    [low, low + 1) (see gguf_llama)."""
+    hf = build_hf(arch, root / "hf", hidden_size=256, intermediate_size=512)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=g) + low)
+    return hf
+
+
 @pytest.fixture(scope="module")
 def gguf_llama(tmp_path_factory):
     """A small llama (rows of whole K-quant super-blocks) as a GGUF file per type: path by type name. Its norm
@@ -205,12 +217,7 @@ def gguf_llama(tmp_path_factory):
     small integers (a dequantized embedding row), values sit exactly on half steps of the input quantization,
     and the last bit of the RMS norm (the two paths sum in another order) decides their rounding."""
     root = tmp_path_factory.mktemp("gguf-llama")
-    hf = build_hf("llama", root / "hf", hidden_size=256, intermediate_size=512)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.copy_(torch.rand(param.shape, generator=g) + 0.5)
+    hf = hf_with_random_norms("llama", root, 0.5)
     files = {}
     for qtype in NATIVE_TYPES:
         files[qtype.name] = root / f"llama-{qtype.name}.gguf"
@@ -325,6 +332,42 @@ def test_engine_decodes_gguf_natively_with_the_torch_paths_tokens(gguf_llama, qt
     assert got == want
 
 
+@pytest.fixture(scope="module")
+def gguf_gemma3(tmp_path_factory):
+    """The tests' Gemma 3 (window layers, per-layer rope, tied embeddings) with rows of whole super-blocks, as
+    GGUF files: path by type name. Norms random, as for gguf_llama."""
+    root = tmp_path_factory.mktemp("gguf-gemma3")
+    hf = hf_with_random_norms("gemma3", root, -0.5)   # Gemma scales by 1 + weight
+    files = {}
+    for name in ("Q8_0", "Q4_K"):
+        files[name] = root / f"gemma3-{name}.gguf"
+        write_gguf(hf, root / "hf", files[name], "gemma3", name)
+    return files
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_gemma3_decodes_gguf_natively_with_the_torch_paths_tokens(gguf_gemma3, qtype, monkeypatch):
+    """Gemma 3 from a GGUF file through the native step (its window layers' blocks released past the window)
+    gives the greedy tokens of the torch path computing the native arithmetic, alone and batched."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [[5 + i for i in range(n)] for n in (3, 11, 30)]
+    native = engine_for(gguf_gemma3[qtype], block_size=8)
+    assert native.runner.native is not None and native.runner._window_groups() > 0
+    calls = count_native_steps(native)
+    with monkeypatch.context() as switched_off:
+        switched_off.setenv("PAGEDCHAT_NATIVE", "0")
+        switched_off.setattr(build, "_loaded", None)
+        torch_only = engine_for(gguf_gemma3[qtype], block_size=8)
+    assert torch_only.runner.native is None
+    native_arithmetic(native.runner.model)
+    native_arithmetic(torch_only.runner.model)
+    got = [o.outputs[0].token_ids for o in native.generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in torch_only.generate(prompts, params)]
+    assert sum(calls) >= 3 * (params.max_tokens - 1) - 3
+    assert got == want
+    native.check_invariants()
+
+
 def record_twin_steps(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every native step the runner takes runs first on the torch path from the same pool (its K/V put back
     after): (native logits, torch logits) per step, appended as generation goes (teacher forcing: both see
@@ -334,7 +377,7 @@ def record_twin_steps(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
     pairs, inner = [], runner.native.step
 
-    def step(ids, positions, tables, cu):
+    def step(ids, positions, tables, cu, windows=()):
         caches, bs = runner.k_caches + runner.v_caches, runner.block_size
         saved = [c.clone() for c in caches]
         seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1), cu.diff())
@@ -344,7 +387,7 @@ def record_twin_steps(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
         want = torch_step(runner, ids, positions, meta)
         for cache, old in zip(caches, saved):
             cache.copy_(old)
-        got = inner(ids, positions, tables, cu)
+        got = inner(ids, positions, tables, cu, windows)
         pairs.append((got, want))
         return got
 

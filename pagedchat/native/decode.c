@@ -56,11 +56,16 @@ typedef struct Linear {
 } Linear;
 
 typedef struct {
-    const float *input_norm, *post_norm;  /* [hidden] */
-    const float *q_norm, *k_norm;         /* [head_dim] (Qwen3) or NULL */
+    const float *input_norm, *post_norm;  /* [hidden]: before attention, before the MLP */
+    const float *q_norm, *k_norm;         /* [head_dim] (Qwen3, Gemma 3) or NULL */
     Linear qkv, o, gate_up, down;
     void *k_cache, *v_cache;              /* [num_blocks, block_size, kv_heads, head_dim]: float, or int8 */
     uint16_t *k_scales, *v_scales;        /* int8 caches: float16 [num_blocks, block_size, kv_heads]; else NULL */
+    /* Gemma: the attention's and the MLP's outputs are normed before the residual add ([hidden], or NULL) */
+    const float *attn_out_norm, *mlp_out_norm;
+    const float *cos, *signed_sin;        /* this layer's rotary tables, or NULL: the model's */
+    int64_t window;                       /* sliding window W (keys p-W+1..p), or 0: every key */
+    int64_t group;                        /* the block tables it reads: 0 global, g > 0 window group g */
 } Layer;
 
 typedef struct {
@@ -71,6 +76,8 @@ typedef struct {
     Linear lm_head;
     const float *cos, *signed_sin;        /* [max_positions, head_dim] */
     const Layer *layers;
+    float embed_scale;                    /* the embedding rows are multiplied by it (Gemma: sqrt(hidden)) */
+    int64_t gelu;                         /* the MLP's activation: 0 SiLU, 1 GELU (tanh approximation) */
 } Model;
 
 /* ---- Vectors and tile shapes, per instruction set --------------------------------------------------------
@@ -1226,9 +1233,15 @@ static void linear(const Team *team, const Linear *l, const float *x, int64_t B,
     }
 }
 
-/* act [B, I] = silu(gate) * up, with gate and up the two halves of l's rows: a thread computes the gate rows
+/* act [B, I] = silu(gate) * up (or gelu), with gate and up the two halves of l's rows: a thread computes the gate rows
  * and the matching up rows of a tile together, so the activation needs no second pass. */
-static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act,
+/* GELU, tanh approximation, as torch computes it: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). */
+INLINE float gelu_tanh(float x) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    return 0.5f * x * (1.f + tanhf(beta * (x + kappa * x * x * x)));
+}
+
+static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act, int gelu,
                          const QuantBuffers *buf) {
     const Input input = input_for(l, x, B, buf);
     const int64_t I = l->out / 2;
@@ -1247,7 +1260,7 @@ static void gated_linear(const Team *team, const Linear *l, const float *x, int6
                 for (int r = 0; r < R; r++)
                     for (int b = 0; b < NB; b++) {
                         const float g = gate[r * MAX_NB + b];
-                        act[(b0 + b) * I + r0 + r] = g / (1.f + expf(-g)) * up[r * MAX_NB + b];
+                        act[(b0 + b) * I + r0 + r] = (gelu ? gelu_tanh(g) : g / (1.f + expf(-g))) * up[r * MAX_NB + b];
                     }
             }
         }
@@ -1301,12 +1314,12 @@ static void quantize_head(const float *x, int64_t D, int8_t *q, uint16_t *scale)
 /* out[q * ostride + c * VW ...] = sum_t p[q * ld + t] * v_t[c * VW ...] for QN queries and NV vectors, the values
  * rows of one kv head's context (vstride apart within a block) found through the table. */
 #define PV_TILE(NAME, VTYPE, LOAD)                                                                           \
-    INLINE void NAME(const VTYPE *v0, int64_t vstride, const int32_t *table, int64_t bs, int64_t len,        \
-                     const float *p, int64_t ld, int QN, int NV, float *out, int64_t ostride) {             \
+    INLINE void NAME(const VTYPE *v0, int64_t vstride, const int32_t *table, int64_t bs, int64_t start,      \
+                     int64_t len, const float *p, int64_t ld, int QN, int NV, float *out, int64_t ostride) {\
         vf acc[PV_Q][PV_V];                                                                                 \
         for (int q = 0; q < QN; q++)                                                                        \
             for (int c = 0; c < NV; c++) acc[q][c] = (vf){0};                                               \
-        for (int64_t t0 = 0; t0 < len; t0 += bs) {                                                          \
+        for (int64_t t0 = start; t0 < len; t0 += bs) {                                                      \
             const VTYPE *block = v0 + (int64_t)table[t0 / bs] * bs * vstride;                                \
             const int64_t n = min64(bs, len - t0);                                                          \
             for (int64_t j = 0; j < n; j++) {                                                               \
@@ -1328,13 +1341,13 @@ PV_TILE(pv_f32, float, loadv)
 PV_TILE(pv_i8, int8_t, loadq)
 
 /* Specialised: a full PV_Q or a single query, 1..PV_V vectors (a head of 16 floats on AVX2 is 2). */
-#define PV_CASE(FN, V0, P, O, Q, V) case (Q) * 8 + (V): FN(V0, vstride, table, bs, len, P, ld, Q, V, O, ostride); break;
+#define PV_CASE(FN, V0, P, O, Q, V) case (Q) * 8 + (V): FN(V0, vstride, table, bs, start, len, P, ld, Q, V, O, ostride); break;
 #define PV_DISPATCH_AT(FN, V0, P, O)                                                                         \
     switch (QN == PV_Q || QN == 1 ? QN * 8 + NV : 0) {                                                      \
         PV_CASE(FN, V0, P, O, PV_Q, 4) PV_CASE(FN, V0, P, O, PV_Q, 3) PV_CASE(FN, V0, P, O, PV_Q, 2)         \
         PV_CASE(FN, V0, P, O, PV_Q, 1) PV_CASE(FN, V0, P, O, 1, 4) PV_CASE(FN, V0, P, O, 1, 3)               \
         PV_CASE(FN, V0, P, O, 1, 2) PV_CASE(FN, V0, P, O, 1, 1)                                              \
-        default: FN(V0, vstride, table, bs, len, P, ld, QN, NV, O, ostride); break;                         \
+        default: FN(V0, vstride, table, bs, start, len, P, ld, QN, NV, O, ostride); break;                  \
     }
 
 /* The pool of one layer and kv head: rows of `stride` elements (float or int8) from `base`, scales beside. */
@@ -1351,12 +1364,12 @@ INLINE Pool pool_of(const void *cache, const uint16_t *scales, int64_t g, int64_
     return pool;
 }
 
-/* s[q * ld + t] = scale * (query q . key t) for t < len. */
-static void score(const Pool *k, const int32_t *table, int64_t bs, int64_t len, const float *queries, int M,
-                  int64_t D, float scale, float *s, int64_t ld) {
+/* s[q * ld + t] = scale * (query q . key t) for start <= t < len (start: a multiple of bs). */
+static void score(const Pool *k, const int32_t *table, int64_t bs, int64_t start, int64_t len, const float *queries,
+                  int M, int64_t D, float scale, float *s, int64_t ld) {
     const int64_t in = D, rstride = k->stride, xstride = D;
     const int fetch = 0;
-    for (int64_t t0 = 0; t0 < len; t0 += bs) {
+    for (int64_t t0 = start; t0 < len; t0 += bs) {
         const int64_t slot0 = (int64_t)table[t0 / bs] * bs, n = min64(bs, len - t0);
         for (int64_t j = 0; j < n; j += TILE_R) {
             const int R = (int)min64(TILE_R, n - j);
@@ -1407,12 +1420,15 @@ INLINE vf vmax(vf a, vf b) {
     return (vf)((gt & (vi)a) | (~gt & (vi)b));
 }
 
-/* Row q of s becomes softmax over its first visible[q] entries, zero beyond (up to len); an int8 pool's value
- * scales (vscale[t]) are folded in. */
-static void softmax_rows(float *s, int64_t ld, int M, const int64_t *visible, int64_t len, const float *vscale) {
+/* Row q of s becomes softmax over its entries first[q] .. visible[q] - 1, zero elsewhere from start up to len;
+ * an int8 pool's value scales (vscale[t]) are folded in. */
+static void softmax_rows(float *s, int64_t ld, int M, const int64_t *first, const int64_t *visible, int64_t start,
+                         int64_t len, const float *vscale) {
     for (int q = 0; q < M; q++) {
-        float *row = s + q * ld;
-        const int64_t n = visible[q], whole = n / VW * VW;
+        for (int64_t t = start; t < first[q]; t++) s[q * ld + t] = 0.f;
+        float *row = s + q * ld + first[q];   /* (indices below are from first[q]) */
+        const float *vs = vscale ? vscale + first[q] : NULL;
+        const int64_t n = visible[q] - first[q], whole = n / VW * VW;
         vf mv = (vf){0} - INFINITY;
         for (int64_t t = 0; t < whole; t += VW) mv = vmax(mv, loadv(row + t));
         float mx = -INFINITY;
@@ -1430,17 +1446,17 @@ static void softmax_rows(float *s, int64_t ld, int M, const int64_t *visible, in
             sum += row[t];
         }
         const float inv = 1.f / sum;
-        if (vscale)
-            for (int64_t t = 0; t < n; t++) row[t] *= inv * vscale[t];
+        if (vs)
+            for (int64_t t = 0; t < n; t++) row[t] *= inv * vs[t];
         else
             for (int64_t t = 0; t < n; t++) row[t] *= inv;
-        for (int64_t t = n; t < len; t++) row[t] = 0.f;
+        for (int64_t t = n; t < len - first[q]; t++) row[t] = 0.f;
     }
 }
 
-/* out[q * D ...] = sum_t p[q * ld + t] * value t, for M queries. */
-static void mix_values(const Pool *v, const int32_t *table, int64_t bs, int64_t len, const float *p, int64_t ld,
-                       int M, int64_t D, float *out) {
+/* out[q * D ...] = sum_t p[q * ld + t] * value t (start <= t < len), for M queries. */
+static void mix_values(const Pool *v, const int32_t *table, int64_t bs, int64_t start, int64_t len, const float *p,
+                       int64_t ld, int M, int64_t D, float *out) {
     const int64_t vstride = v->stride, ostride = D, whole = D / VW * VW;
     for (int64_t c0 = 0; c0 < whole; c0 += PV_V * VW) {
         const int NV = (int)min64(PV_V, (whole - c0) / VW);
@@ -1460,7 +1476,7 @@ static void mix_values(const Pool *v, const int32_t *table, int64_t bs, int64_t 
     for (int64_t d = whole; d < D; d++)  /* a head size that is not a multiple of the vector */
         for (int q = 0; q < M; q++) {
             float acc = 0.f;
-            for (int64_t t = 0; t < len; t++) {
+            for (int64_t t = start; t < len; t++) {
                 const int64_t row = slot_of(table, t, bs) * vstride + d;
                 acc += p[q * ld + t] * (v->scales ? (float)((const int8_t *)v->base)[row] : ((const float *)v->base)[row]);
             }
@@ -1470,6 +1486,7 @@ static void mix_values(const Pool *v, const int32_t *table, int64_t bs, int64_t 
 
 typedef struct {
     float *x, *qkv, *attn, *act;  /* shared by the team */
+    float *out;                   /* shared: a layer's output before its norm (Gemma's normed residual adds) */
     float *h;                     /* per thread: this thread's copy of the normed rows */
     float *work;                  /* per thread: attention's queries, scores, value scales and outputs */
     int64_t work_size;            /* floats of `work` per thread */
@@ -1486,7 +1503,8 @@ INLINE QuantBuffers quant_of(const Scratch *s, const Team *t) {
 }
 
 /* What a step is: T tokens of B sequences, sequence b's tokens [cu_q[b], cu_q[b + 1]), each token's position;
- * sequence b's block table at tables + b * table_stride. */
+ * sequence b's block table of group g at tables + (g * B + b) * table_stride (one group unless the model has
+ * sliding-window layer groups: a window group's table has -1 for the blocks behind every window). */
 typedef struct {
     int64_t T, B, table_stride, max_len;
     const int64_t *ids, *positions;
@@ -1495,28 +1513,36 @@ typedef struct {
 
 /* One task: sequence b's tokens against kv head g. The queries are gathered into the thread's work space,
  * QMAX at a time. */
+INLINE const int32_t *table_of(const Layer *l, const Batch *batch, int64_t b) {
+    return batch->tables + (l->group * batch->B + b) * batch->table_stride;
+}
+
 static void attend(const Model *m, const Layer *l, const Batch *batch, int64_t b, int64_t g, const Scratch *s,
                    const Team *team) {
     const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, G = Hq / Hkv, bs = m->block_size;
     const int64_t qkv_n = l->qkv.out, first = batch->cu_q[b], n = batch->cu_q[b + 1] - first;
-    const int32_t *table = batch->tables + b * batch->table_stride;
+    const int32_t *table = table_of(l, batch, b);
     const Pool k = pool_of(l->k_cache, l->k_scales, g, Hkv, D), v = pool_of(l->v_cache, l->v_scales, g, Hkv, D);
     const int64_t len = batch->positions[first + n - 1] + 1, ld = batch->max_len;
+    /* a window layer reads from the block of its first query's oldest key on (those before may be released) */
+    const int64_t oldest = l->window ? batch->positions[first] - l->window + 1 : 0;
+    const int64_t start = oldest > 0 ? oldest / bs * bs : 0;
     float *queries = s->work + team->tid * s->work_size, *out = queries + QMAX * D, *scores = out + QMAX * D;
     float *vscale = l->v_scales ? scores + QMAX * ld : NULL;
     if (vscale)
-        for (int64_t t = 0; t < len; t++) vscale[t] = f16_to_f32(v.scales[slot_of(table, t, bs) * v.scale_stride]);
+        for (int64_t t = start; t < len; t++) vscale[t] = f16_to_f32(v.scales[slot_of(table, t, bs) * v.scale_stride]);
     for (int64_t q0 = 0; q0 < n * G; q0 += QMAX) {
         const int M = (int)min64(QMAX, n * G - q0);
-        int64_t visible[QMAX];
+        int64_t lowest[QMAX], visible[QMAX];
         for (int q = 0; q < M; q++) {  /* query q0 + q: token (q0 + q) / G, head g * G + (q0 + q) % G */
             const int64_t token = first + (q0 + q) / G, head = g * G + (q0 + q) % G;
             memcpy(queries + q * D, s->qkv + token * qkv_n + head * D, D * sizeof(float));
             visible[q] = batch->positions[token] + 1;
+            lowest[q] = l->window && visible[q] > l->window ? visible[q] - l->window : 0;
         }
-        score(&k, table, bs, len, queries, M, D, m->scale, scores, ld);
-        softmax_rows(scores, ld, M, visible, len, vscale);
-        mix_values(&v, table, bs, len, scores, ld, M, D, out);
+        score(&k, table, bs, start, len, queries, M, D, m->scale, scores, ld);
+        softmax_rows(scores, ld, M, lowest, visible, start, len, vscale);
+        mix_values(&v, table, bs, start, len, scores, ld, M, D, out);
         for (int q = 0; q < M; q++) {
             const int64_t token = first + (q0 + q) / G, head = g * G + (q0 + q) % G;
             memcpy(s->attn + token * Hq * D + head * D, out + q * D, D * sizeof(float));
@@ -1535,13 +1561,14 @@ static float *norm_rows(const Model *m, const float *w, int64_t T, const Scratch
 static void place_token(const Model *m, const Layer *l, const Batch *batch, int64_t b, int64_t i, const Scratch *s) {
     const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, pos = batch->positions[i];
     float *q = s->qkv + i * l->qkv.out, *k = q + Hq * D, *v = k + Hkv * D;
-    const float *cos = m->cos + pos * D, *ssin = m->signed_sin + pos * D;
+    const float *cos = (l->cos ? l->cos : m->cos) + pos * D;
+    const float *ssin = (l->signed_sin ? l->signed_sin : m->signed_sin) + pos * D;
     for (int64_t h = 0; h < Hq + Hkv; h++) {
         float *head = q + h * D;  /* q heads then k heads, side by side */
         if (l->q_norm) rms_norm(head, h < Hq ? l->q_norm : l->k_norm, D, m->eps, head);
         rotate(head, cos, ssin, D);
     }
-    const int64_t slot = slot_of(batch->tables + b * batch->table_stride, pos, m->block_size);
+    const int64_t slot = slot_of(table_of(l, batch, b), pos, m->block_size);
     if (l->k_scales) {
         for (int64_t g = 0; g < Hkv; g++) {
             quantize_head(k + g * D, D, (int8_t *)l->k_cache + (slot * Hkv + g) * D, l->k_scales + slot * Hkv + g);
@@ -1552,6 +1579,9 @@ static void place_token(const Model *m, const Layer *l, const Batch *batch, int6
         memcpy((float *)l->v_cache + slot * Hkv * D, v, Hkv * D * sizeof(float));
     }
 }
+
+static void residual(const Model *m, const Team *team, const Linear *layer, const float *input, int64_t T,
+                     const float *out_norm, const Scratch *s, const QuantBuffers *qb);
 
 static void attention_block(const Model *m, const Layer *l, const Batch *batch, const Scratch *s, const Team *team) {
     const int64_t T = batch->T, Hkv = m->num_kv_heads;
@@ -1566,16 +1596,32 @@ static void attention_block(const Model *m, const Layer *l, const Batch *batch, 
     /* tasks claimed one at a time: their contexts differ in length */
     while (claim_n(team, batch->B * Hkv, 1, &lo, &hi)) attend(m, l, batch, lo / Hkv, lo % Hkv, s, team);
     sync_team(team);
-    linear(team, &l->o, s->attn, T, s->x, 1, &qb);
+    residual(m, team, &l->o, s->attn, T, l->attn_out_norm, s, &qb);
+}
+
+/* x += out_layer(input): added straight into the residual stream, or (Gemma) through out_norm first. */
+static void residual(const Model *m, const Team *team, const Linear *layer, const float *input, int64_t T,
+                     const float *out_norm, const Scratch *s, const QuantBuffers *qb) {
+    const int64_t H = m->hidden;
+    linear(team, layer, input, T, out_norm ? s->out : s->x, out_norm == NULL, qb);
+    sync_team(team);
+    if (!out_norm)
+        return;
+    int64_t lo, hi;
+    share(team, T, &lo, &hi);
+    for (int64_t i = lo; i < hi; i++) {
+        float *y = s->out + i * H, *x = s->x + i * H;
+        rms_norm(y, out_norm, H, m->eps, y);
+        for (int64_t j = 0; j < H; j++) x[j] += y[j];
+    }
     sync_team(team);
 }
 
 static void mlp_block(const Model *m, const Layer *l, int64_t T, const Scratch *s, const Team *team) {
     const QuantBuffers qb = quant_of(s, team);
-    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, T, s, team), T, s->act, &qb);
+    gated_linear(team, &l->gate_up, norm_rows(m, l->post_norm, T, s, team), T, s->act, (int)m->gelu, &qb);
     sync_team(team);
-    linear(team, &l->down, s->act, T, s->x, 1, &qb);
-    sync_team(team);
+    residual(m, team, &l->down, s->act, T, l->mlp_out_norm, s, &qb);
 }
 
 /* Logits [T, vocab] of one step: T tokens of B sequences (sequence b's are cu_q[b] .. cu_q[b + 1] - 1, at
@@ -1592,7 +1638,7 @@ API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *po
     max_in = m->num_heads * D > max_in ? m->num_heads * D : max_in;
     const int64_t quant = (T * max_in + 63) / 64 * 64, blocks = 4 * quant / QBLOCK;
     const int64_t sizes[] = {T * H, T * qkv_n, T * m->num_heads * D, T * I, num_threads * T * H, num_threads * work,
-                             num_threads * quant / 4, num_threads * blocks, num_threads * blocks};
+                             num_threads * quant / 4, num_threads * blocks, num_threads * blocks, T * H};
     enum { PARTS = sizeof sizes / sizeof sizes[0] };
     int64_t total = 0;
     for (int i = 0; i < PARTS; i++) total += (sizes[i] + 15) / 16 * 16;
@@ -1603,10 +1649,14 @@ API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *po
         parts[i] = p;
         p += (sizes[i] + 15) / 16 * 16;
     }
-    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[4], parts[5], work,
+    const Scratch s = {parts[0], parts[1], parts[2], parts[3], parts[9], parts[4], parts[5], work,
                        (int8_t *)parts[6], parts[7], (int32_t *)parts[8], quant};
     const Batch batch = {T, B, table_stride, max_len, ids, positions, cu_q, tables};
-    for (int64_t i = 0; i < T; i++) memcpy(s.x + i * H, m->embed + ids[i] * H, H * sizeof(float));
+    for (int64_t i = 0; i < T; i++) {
+        memcpy(s.x + i * H, m->embed + ids[i] * H, H * sizeof(float));
+        if (m->embed_scale != 1.f)
+            for (int64_t j = 0; j < H; j++) s.x[i * H + j] *= m->embed_scale;
+    }
     Barrier barrier = {0, 0, 0, 0};
 #pragma omp parallel num_threads(num_threads)
     {

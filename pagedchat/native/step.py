@@ -1,8 +1,8 @@
-"""The native step (decode.c) bound to one loaded Llama-family model and its pool's caches.
+"""The native step (decode.c) bound to one loaded Llama-family or Gemma 3 model and its pool's caches.
 
 `NativeDecode.bind(model, k_caches, v_caches, block_size, k_scales=None, v_scales=None)` returns None for what
-the C step does not cover, and the runner keeps the torch path for those: another family (Gemma, MoE, Phi-3's
-partial rotary), sliding-window layer groups, a dtype other than fp32 (its weights, beside int8 and int4
+the C step does not cover, and the runner keeps the torch path for those: another family (Gemma 2's
+soft-capping, MoE, Phi-3's partial rotary), a dtype other than fp32 (its weights, beside int8 and int4
 layers and a GGUF file's block formats; its pool, beside int8 K/V with float16 scales), a GGUF layer with a part
 in a type decode.c does not read (F16, BF16, Q2_K, Q3_K: GGML_NATIVE lists those it does), a device other than
 CPU, or no compiler. The structs below mirror decode.c's; their sizes are checked against the library's.
@@ -49,14 +49,17 @@ _Linear._fields_ = [("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("k_cache", _ptr), ("v_cache", _ptr), ("k_scales", _ptr), ("v_scales", _ptr)]
+                ("k_cache", _ptr), ("v_cache", _ptr), ("k_scales", _ptr), ("v_scales", _ptr),
+                ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("cos", _ptr), ("signed_sin", _ptr),
+                ("window", c_int64), ("group", c_int64)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("hidden", c_int64), ("num_layers", c_int64), ("num_heads", c_int64),
                 ("num_kv_heads", c_int64), ("head_dim", c_int64), ("vocab", c_int64), ("block_size", c_int64),
                 ("eps", c_float), ("scale", c_float), ("embed", _ptr), ("norm", _ptr), ("lm_head", _Linear),
-                ("cos", _ptr), ("signed_sin", _ptr), ("layers", POINTER(_Layer))]
+                ("cos", _ptr), ("signed_sin", _ptr), ("layers", POINTER(_Layer)), ("embed_scale", c_float),
+                ("gelu", c_int64)]
 
 
 MAX_HEAD_DIM = 1024  # decode.c's rotary scratch
@@ -149,12 +152,118 @@ def runs_gguf_as_stored(model: nn.Module, dtype: torch.dtype) -> bool:
     """Whether the native step's forward covers this model and binds every GGUF layer's formats (checked
     before the pool exists: the model's family, dtype and layer formats; the library aside)."""
     from pagedchat.model.gguf.linear import GGUFLinear
+
+    if dtype != torch.float32 or _plan(model, check_caches=False) is None:
+        return False
+    return all(_linear(m) is not None for m in model.modules() if isinstance(m, GGUFLinear))
+
+
+@dataclass
+class _LayerPlan:
+    """What decode.c reads of one decoder layer (decode.c's Layer says what each is)."""
+    linears: tuple                      # qkv, o, gate_up, down modules
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor             # before the MLP
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    k_cache: torch.Tensor               # as bound to the pool (bind takes the scales of an int8 pool)
+    v_cache: torch.Tensor
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
+    cos: torch.Tensor | None = None     # None: the model's tables
+    signed_sin: torch.Tensor | None = None
+    window: int = 0
+    group: int = 0
+
+
+@dataclass
+class _Plan:
+    """What decode.c reads of a model: the Llama family's forward, or Gemma 3's (its norms scale by 1 + weight:
+    the sums are made here, once, exactly as GemmaRMSNorm makes them)."""
+    layers: list[_LayerPlan]
+    norm: torch.Tensor
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    scale: float
+    embed_scale: float = 1.0
+    gelu: bool = False
+
+
+def _plan(model: nn.Module, check_caches: bool = True) -> _Plan | None:
+    """The plan of a model decode.c runs, or None: another family (Gemma 2's soft-capping, MoE, partial
+    rotary, longrope), a tensor not plain fp32 on the CPU, a head too large. check_caches=False: before the
+    pool exists."""
+    from pagedchat.model.gemma import GemmaModel
     from pagedchat.model.layers import RotaryEmbedding
     from pagedchat.model.llama import LlamaFamilyModel
 
-    if dtype != torch.float32 or type(model) is not LlamaFamilyModel or type(model.rotary) is not RotaryEmbedding:
-        return False
-    return all(_linear(m) is not None for m in model.modules() if isinstance(m, GGUFLinear))
+    spec = getattr(model, "spec", None)
+    if spec is None or spec.head_dim > MAX_HEAD_DIM or not _fp32(model.embed_tokens.weight):
+        return None
+    if type(model) is LlamaFamilyModel and type(model.rotary) is RotaryEmbedding:
+        plan = _Plan([], model.norm.weight, model.rotary.cos, model.rotary.signed_sin,
+                     model.layers[0].self_attn.attn.scale)
+        for layer in model.layers:
+            attn = layer.self_attn
+            plan.layers.append(_LayerPlan(
+                (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj),
+                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                attn.q_norm.weight if spec.qk_norm else None, attn.k_norm.weight if spec.qk_norm else None,
+                *_caches(attn.attn)))
+    elif type(model) is GemmaModel and _gemma3_covered(model):
+        plus_one = lambda norm: (1.0 + norm.weight.float()).contiguous()   # noqa: E731
+        tables = {}
+        for layer in model.layers:
+            rotary = layer.self_attn.rotary
+            tables.setdefault(id(rotary), (rotary.cos.float().contiguous(), _signed(rotary.sin.float())))
+        cos, signed_sin = next(iter(tables.values()))
+        plan = _Plan([], plus_one(model.norm), cos, signed_sin, model.layers[0].self_attn.attn.scale,
+                     float(model.embed_scale), gelu=True)
+        for layer, group in zip(model.layers, model.groups.layer_group):
+            attn = layer.self_attn
+            plan.layers.append(_LayerPlan(
+                (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj),
+                plus_one(layer.input_layernorm), plus_one(layer.pre_feedforward_layernorm),
+                plus_one(attn.q_norm), plus_one(attn.k_norm), *_caches(attn.attn),
+                attn_out_norm=plus_one(layer.post_attention_layernorm),
+                mlp_out_norm=plus_one(layer.post_feedforward_layernorm), cos=tables[id(attn.rotary)][0],
+                signed_sin=tables[id(attn.rotary)][1], window=attn.attn.sliding_window or 0, group=group))
+    else:
+        return None
+    norms = [t for p in plan.layers for t in (p.input_norm, p.post_norm, p.q_norm, p.k_norm, p.attn_out_norm,
+                                               p.mlp_out_norm)]
+    if not all(_fp32(t) for t in (plan.norm, plan.cos, plan.signed_sin, *norms)):
+        return None
+    if check_caches and not all(_fp32(p.k_cache) or _plain(p.k_cache, torch.int8) for p in plan.layers):
+        return None
+    return plan
+
+
+def _gemma3_covered(model) -> bool:
+    """Gemma 3 as decode.c runs it: no soft-capping (Gemma 2's), q/k norms, every rotary over the whole head."""
+    g = model.gemma
+    return g.attn_softcap is None and g.final_softcap is None and g.qk_norm \
+        and all(layer.self_attn.rotary.rotary_dim == model.spec.head_dim for layer in model.layers)
+
+
+def _caches(attention) -> tuple:
+    """A paged attention layer's (k cache, v cache) as bound to the pool."""
+    return attention.k_cache, attention.v_cache
+
+
+def _signed(sin: torch.Tensor) -> torch.Tensor:
+    """sin with its first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin (RotaryEmbedding)."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).contiguous()
+
+
+def _stacked(tables: list[torch.Tensor]) -> torch.Tensor:
+    """Block tables of every group as one int32 [groups * B, width] (narrower ones padded with -1)."""
+    width = max(t.shape[1] for t in tables)
+    out = torch.full((len(tables) * tables[0].shape[0], width), -1, dtype=torch.int32)
+    for g, t in enumerate(tables):
+        out[g * t.shape[0]:(g + 1) * t.shape[0], :t.shape[1]] = t
+    return out
 
 
 def run_linear(module: nn.Module, x: torch.Tensor, lib: ctypes.CDLL | None = None) -> torch.Tensor:
@@ -314,8 +423,9 @@ class _Choice:
 class NativeDecode:
     """Runs a decode step through decode.c; holds the tensors it points into so they stay alive."""
 
-    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list, paths: PathChoice):
+    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list, paths: PathChoice, groups: int = 1):
         self.lib, self.struct, self.layers, self.keep = lib, model_struct, layers, keep
+        self.groups = groups  # block tables per step: the global one, then one per window layer group
         self.vocab = model_struct.vocab
         self.threads: ThreadChoice | None = None
         self.paths = paths  # native or torch, per size of step (pagedchat/native/paths.py)
@@ -326,25 +436,12 @@ class NativeDecode:
     def supports(model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
                  k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None) -> bool:
         """Whether decode.c covers this model and pool (the library aside)."""
-        from pagedchat.model.layers import RotaryEmbedding
-        from pagedchat.model.llama import LlamaFamilyModel
-
-        if type(model) is not LlamaFamilyModel or type(model.rotary) is not RotaryEmbedding:
+        plan = _plan(model)
+        if plan is None or not _pool_fits(k_caches, v_caches, k_scales, v_scales):
             return False
-        spec = model.spec
-        if spec.head_dim > MAX_HEAD_DIM or len(k_caches) != spec.num_layers:
+        pool = {id(t) for t in (*k_caches, *v_caches)}
+        if not all(id(layer.k_cache) in pool and id(layer.v_cache) in pool for layer in plan.layers):
             return False
-        if not all(_fp32(t) for t in (model.embed_tokens.weight, model.norm.weight, model.rotary.cos,
-                                       model.rotary.signed_sin)) or not _pool_fits(k_caches, v_caches, k_scales, v_scales):
-            return False
-        for i, layer in enumerate(model.layers):
-            attn = layer.self_attn
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            if spec.qk_norm:
-                norms += [attn.q_norm.weight, attn.k_norm.weight]
-            if not all(_fp32(t) for t in norms) or attn.attn.k_cache is not k_caches[i] \
-                    or attn.attn.v_cache is not v_caches[i]:
-                return False
         return all(_linear(m) is not None for m in _weights_in_step_order(model))
 
     @classmethod
@@ -359,30 +456,30 @@ class NativeDecode:
         if lib is None or lib.pc_sizeof_model() != ctypes.sizeof(_Model) \
                 or lib.pc_sizeof_layer() != ctypes.sizeof(_Layer):
             return None
-        spec = model.spec
+        spec, plan = model.spec, _plan(model)
         arena = gather_weights(_weights_in_step_order(model))
         layers = (_Layer * spec.num_layers)()
-        for i, layer in enumerate(model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            norms = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-            qk = [attn.q_norm.weight, attn.k_norm.weight] if spec.qk_norm else [None, None]
-            scales = [k_scales[i], v_scales[i]] if k_scales is not None else [None, None]
-            layers[i] = _Layer(*(_addr(t) for t in norms + qk), *linears,
-                               *(_addr(t) for t in [k_caches[i], v_caches[i], *scales]))
+        slot = {id(t): i for i, t in enumerate(k_caches)}   # a layer's scales: those of its cache in the pool
+        for i, p in enumerate(plan.layers):
+            linears = [_linear(m) for m in p.linears]
+            scales = (k_scales[slot[id(p.k_cache)]], v_scales[slot[id(p.k_cache)]]) if k_scales else (None, None)
+            layers[i] = _Layer(*(_addr(t) for t in (p.input_norm, p.post_norm, p.q_norm, p.k_norm)), *linears,
+                               *(_addr(t) for t in (p.k_cache, p.v_cache, *scales, p.attn_out_norm,
+                                                    p.mlp_out_norm, p.cos, p.signed_sin)), p.window, p.group)
         lm_head = _linear(model.lm_head)
         struct = _Model(spec.hidden_size, spec.num_layers, spec.num_heads,
                         spec.num_kv_heads, spec.head_dim, spec.vocab_size, block_size, spec.rms_norm_eps,
-                        model.layers[0].self_attn.attn.scale, _addr(model.embed_tokens.weight),
-                        _addr(model.norm.weight), lm_head, _addr(model.rotary.cos), _addr(model.rotary.signed_sin),
-                        layers)
+                        plan.scale, _addr(model.embed_tokens.weight), _addr(plan.norm), lm_head, _addr(plan.cos),
+                        _addr(plan.signed_sin), layers, plan.embed_scale, int(plan.gelu))
         signature = "|".join(str(x) for x in (
-            f"hidden={spec.hidden_size}", f"layers={spec.num_layers}", f"heads={spec.num_heads}/{spec.num_kv_heads}",
-            f"head_dim={spec.head_dim}", f"ffn={spec.intermediate_size}", f"vocab={spec.vocab_size}",
+            f"{type(model).__name__}", f"hidden={spec.hidden_size}", f"layers={spec.num_layers}",
+            f"heads={spec.num_heads}/{spec.num_kv_heads}", f"head_dim={spec.head_dim}",
+            f"ffn={spec.intermediate_size}", f"vocab={spec.vocab_size}",
             "weights=" + ",".join(sorted({str(layers[0].qkv.format), str(lm_head.format)})),
             f"pool={'int8' if k_scales is not None else 'fp32'}"))
         paths = PathChoice(Path(lib._name).with_suffix(".paths.json"), signature)
-        return cls(lib, struct, layers, [model, k_caches, v_caches, k_scales, v_scales, arena], paths)
+        return cls(lib, struct, layers, [model, k_caches, v_caches, k_scales, v_scales, arena, plan], paths,
+                   groups=1 + max(p.group for p in plan.layers))
 
     def use_native(self, tokens: int, seqs: int) -> bool:
         """Whether a step of this many tokens and sequences should take the native path (measured)."""
@@ -393,13 +490,18 @@ class NativeDecode:
         self.paths.record(tokens, seqs, torch.get_num_threads(), False, seconds)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-             cu_seqlens_q: torch.Tensor) -> torch.Tensor:
+             cu_seqlens_q: torch.Tensor, window_tables: list[torch.Tensor] = ()) -> torch.Tensor:
         """Logits [T, vocab] of a step whose every token is sampled: sequence b's tokens are rows
         cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, at consecutive positions ending at its last (one for a
-        decode step, k + 1 for a verify step); their K/V are written into the pool."""
+        decode step, k + 1 for a verify step); their K/V are written into the pool. window_tables: the block
+        tables of each window layer group (AttentionMetadata.window_metas), when the model has them."""
+        assert len(window_tables) == self.groups - 1, "a model with window groups needs their block tables"
+        if window_tables:
+            block_tables = _stacked([block_tables, *window_tables])
         assert ids.dtype == positions.dtype == torch.int64 and block_tables.dtype == cu_seqlens_q.dtype == torch.int32
         assert block_tables.is_contiguous() and ids.is_contiguous() and positions.is_contiguous()
-        assert cu_seqlens_q.is_contiguous() and cu_seqlens_q.shape[0] == block_tables.shape[0] + 1
+        B = cu_seqlens_q.shape[0] - 1
+        assert cu_seqlens_q.is_contiguous() and block_tables.shape[0] == B * self.groups
         tokens, budget = ids.shape[0], torch.get_num_threads()
         if self.threads is None or self.threads.options[0] != budget:  # (the budget was changed: start over)
             self.threads = ThreadChoice(budget)
@@ -407,11 +509,11 @@ class NativeDecode:
         logits = torch.empty((tokens, self.vocab), dtype=torch.float32)
         wall, cpu = time.perf_counter(), time.process_time()
         rc = self.lib.pc_step(ctypes.byref(self.struct), tokens, ids.data_ptr(), positions.data_ptr(),
-                              block_tables.shape[0], cu_seqlens_q.data_ptr(), block_tables.data_ptr(),
+                              B, cu_seqlens_q.data_ptr(), block_tables.data_ptr(),
                               block_tables.shape[1], logits.data_ptr(), threads)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         self.threads.record(tokens, threads, wall, cpu)
-        self.paths.record(tokens, block_tables.shape[0], budget, True, wall)
+        self.paths.record(tokens, B, budget, True, wall)
         if rc != 0:
             raise MemoryError("native decode step: no memory for its scratch buffers")
         return logits

@@ -95,7 +95,7 @@ class ModelRunner:
         self.native = None
         self._native_next_try: float | None = None  # when to look for the library again; None: never
         # (it reads fp32 and int8 pools; an fp8 pool is CUDA-only)
-        if self.device.type == "cpu" and not self._window_groups():
+        if self.device.type == "cpu":
             from pagedchat.native.step import NativeDecode
 
             if NativeDecode.supports(self.model, self.k_caches, self.v_caches, self.kv.k_scales, self.kv.v_scales):
@@ -230,7 +230,8 @@ class ModelRunner:
         ids, positions, meta, sample_rows, samplers = self._prepare(batch)
         native = self._native_fits(batch, ids, meta, sample_rows)
         if native and self.native.use_native(ids.shape[0], len(batch.items)):  # (measured: native/paths.py)
-            return self.native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q), samplers
+            windows = [m.block_tables for m in meta.window_metas or ()]
+            return self.native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q, windows), samplers
         start = time.perf_counter()
         if self.graphs is not None and self.graphs.fits(ids.shape[0], max(n for _, n in batch.items)):
             hidden = self.graphs.replay(ids, positions, meta)
