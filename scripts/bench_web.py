@@ -96,15 +96,19 @@ def first_paint_ms(driver) -> float:
 def send_and_wait(driver, text: str) -> None:
     from selenium.webdriver.common.by import By
 
+    before = driver.execute_script("const s = window.__pagedchat.session; return s ? s.nodes.length : 0")
     driver.find_element(By.CSS_SELECTOR, "textarea[name=message]").send_keys(text)
     click(driver, "[data-action=send]")
-    wait_for_reply(driver)
+    wait_for_reply(driver, after=before)
 
 
-def wait_for_reply(driver, timeout: float = 60.0) -> None:
-    """Until no turn streams and every message shown has its node id (the turn's `done` arrived)."""
+def wait_for_reply(driver, timeout: float = 60.0, after: int | None = None) -> None:
+    """Until no turn streams and every message shown has its node id (the turn's `done` arrived); with `after`,
+    also until the session holds more than that many nodes (the turn may not have started yet)."""
     wait_until(lambda: driver.execute_script(
-        "return window.__pagedchat.streaming === null && !document.querySelector('[data-node-id=\"\"]')"),
+        "const s = window.__pagedchat.session;"
+        "return window.__pagedchat.streaming === null && !document.querySelector('[data-node-id=\"\"]')"
+        " && (arguments[0] === null || (s !== null && s.nodes.length > arguments[0]))", after),
         timeout, "the reply to finish")
 
 

@@ -33,8 +33,15 @@ def _hypothesis_profiles():
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
-    """The hypothesis profile, unless --hypothesis-profile names one (see _hypothesis_profiles)."""
+    """The hypothesis profile, unless --hypothesis-profile names one (see _hypothesis_profiles). Ctrl-C raises
+    KeyboardInterrupt, as in a terminal, however the tests were started: a process started in the background by a
+    shell inherits SIGINT ignored, and Python then leaves it so (the tests of Ctrl-C would see nothing)."""
+    import signal
+
     from hypothesis import settings
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
     _hypothesis_profiles()
     if config.getoption("--hypothesis-profile", None):

@@ -166,3 +166,29 @@ def test_real_file_tensors_match_gguf_py(name):
         for tensor in tensors[:3]:
             raw = tensor.data[:64]   # [rows, row_bytes]: the big embeddings' first rows are enough
             _assert_bit_identical(raw, qtype, dequantize(torch.from_numpy(raw), qtype))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_an_embedding_kept_as_blocks_looks_up_the_dequantized_rows(qtype):
+    """GGUFEmbedding dequantizes only the rows a lookup reads, bit for bit the whole table's rows."""
+    from pagedchat.model.gguf.embedding import GGUFEmbedding
+
+    raw = torch.from_numpy(_random_rows(qtype, 40, 512, seed=2))
+    table = GGUFEmbedding(raw, qtype, 512)
+    ids = torch.tensor([[3, 39, 0], [3, 17, 5]])
+    got = table(ids)
+    assert got.shape == (2, 3, 512)
+    assert np.array_equal(got.numpy().view(np.int32), dequantize(raw, qtype)[ids].numpy().view(np.int32))
+
+
+def test_a_large_layer_runs_a_slice_of_rows_at_a_time(monkeypatch):
+    """GGUFLinear's forward on more rows than CHUNK_ROWS (parts of several types, slices across parts) equals the
+    whole dequantized weight's product."""
+    from pagedchat.model.gguf import linear
+
+    monkeypatch.setattr(linear, "CHUNK_ROWS", 8)
+    parts = [(torch.from_numpy(_random_rows(T.Q8_0, 13, 64, seed=3)), int(T.Q8_0)),
+             (torch.from_numpy(_random_rows(T.Q4_0, 6, 64, seed=4)), int(T.Q4_0))]
+    layer = GGUFLinear(parts, 64, torch.randn(19))
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.dequantized(), layer.bias), rtol=1e-5, atol=1e-4)

@@ -63,7 +63,7 @@ typedef struct {
     uint16_t *k_scales, *v_scales;        /* int8 caches: float16 [num_blocks, block_size, kv_heads]; else NULL */
     /* Gemma: the attention's and the MLP's outputs are normed before the residual add ([hidden], or NULL) */
     const float *attn_out_norm, *mlp_out_norm;
-    const float *cos, *signed_sin;        /* this layer's rotary tables, or NULL: the model's */
+    const float *cos, *sin;               /* this layer's rotary tables, or NULL: the model's */
     int64_t window;                       /* sliding window W (keys p-W+1..p), or 0: every key */
     int64_t group;                        /* the block tables it reads: 0 global, g > 0 window group g */
 } Layer;
@@ -71,13 +71,14 @@ typedef struct {
 typedef struct {
     int64_t hidden, num_layers, num_heads, num_kv_heads, head_dim, vocab, block_size;
     float eps, scale;
-    const float *embed;                   /* [vocab, hidden] */
+    const void *embed;                    /* [vocab, hidden] float, or a GGUF table's rows (embed_format) */
     const float *norm;                    /* [hidden] */
     Linear lm_head;
-    const float *cos, *signed_sin;        /* [max_positions, head_dim] */
+    const float *cos, *sin;               /* [max_positions, head_dim] */
     const Layer *layers;
     float embed_scale;                    /* the embedding rows are multiplied by it (Gemma: sqrt(hidden)) */
     int64_t gelu;                         /* the MLP's activation: 0 SiLU, 1 GELU (tanh approximation) */
+    int64_t embed_format, embed_row_bytes;  /* FMT_F32, or FMT_GGML + type: rows of embed_row_bytes bytes */
 } Model;
 
 /* ---- Vectors and tile shapes, per instruction set --------------------------------------------------------
@@ -463,6 +464,59 @@ INLINE void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     } else {
         *sc = (s[j + 4] & 0x0f) | ((s[j - 4] >> 6) << 4);
         *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* Block k (values 32k .. 32k + 31) of a GGUF row as value i = s[i / 16] * q[i] + *m: the AVX2 unpackers' fields
+ * (wb_q8_0 and the rest say each layout), one value at a time: the portable tiles and the embedding lookup. */
+static void ggml_block(int64_t type, const uint8_t *row, int64_t k, int8_t q[QBLOCK], float s[2], float *m) {
+    const uint8_t *b;
+    uint32_t high = 0;
+    int j = (int)(k % 8), sc = 0, mn = 0;
+    *m = s[0] = s[1] = 0.f;  /* (a type the Python side never binds: zeros) */
+    switch (type) {
+    case GGML_Q8_0:
+        b = row + k * 34;
+        memcpy(q, b + 2, QBLOCK);
+        s[0] = s[1] = f16_at(b);
+        return;
+    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: {
+        static const int size[] = {[GGML_Q4_0] = 18, [GGML_Q4_1] = 20, [GGML_Q5_0] = 22, [GGML_Q5_1] = 24};
+        const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
+        b = row + k * size[type];
+        const uint8_t *nib = b + 2 + 2 * has_min + 4 * five;
+        if (five) memcpy(&high, b + 2 + 2 * has_min, 4);
+        const int offset = has_min ? 0 : five ? 16 : 8;
+        for (int i = 0; i < QBLOCK; i++) {
+            const int v = (i < 16 ? nib[i] & 0x0f : nib[i - 16] >> 4) | (int)((high >> i) & 1) << 4;
+            q[i] = (int8_t)(v - offset);
+        }
+        s[0] = s[1] = f16_at(b);
+        if (has_min) *m = f16_at(b + 2);
+        return;
+    }
+    case GGML_Q4_K: case GGML_Q5_K: {
+        const int five = type == GGML_Q5_K;
+        b = row + k / 8 * (five ? 176 : 144);
+        k_scale_min(b + 4, j, &sc, &mn);
+        const uint8_t *nib = b + (five ? 48 : 16) + 32 * (j / 2);
+        for (int i = 0; i < QBLOCK; i++)
+            q[i] = (int8_t)(((nib[i] >> (4 * (j & 1))) & 0x0f) | (five ? ((b[16 + i] >> j) & 1) << 4 : 0));
+        s[0] = s[1] = f16_at(b) * (float)sc;
+        *m = -(f16_at(b + 2) * (float)mn);
+        return;
+    }
+    case GGML_Q6_K: {
+        b = row + k / 8 * 210;
+        const int h = j / 4, run = j % 4;
+        for (int i = 0; i < QBLOCK; i++) {
+            const int low = (b[64 * h + 32 * (run & 1) + i] >> (4 * (run >> 1))) & 0x0f;
+            q[i] = (int8_t)((low | ((b[128 + 32 * h + i] >> (2 * run)) & 3) << 4) - 32);
+        }
+        const float d = f16_at(b + 208);
+        s[0] = d * (float)(int8_t)b[192 + 2 * j], s[1] = d * (float)(int8_t)b[192 + 2 * j + 1];
+        return;
+    }
     }
 }
 
@@ -942,58 +996,6 @@ INLINE void tile_q4_any(const uint8_t *w, const uint16_t *ws, const Input *x, in
             acc[r * MAX_NB + b] = total;
         }
 }
-/* Block k (values 32k .. 32k + 31) of a GGUF row as value i = s[i / 16] * q[i] + *m: the AVX2 unpackers' fields
- * (wb_q8_0 and the rest say each layout), one value at a time. */
-static void ggml_block(int64_t type, const uint8_t *row, int64_t k, int8_t q[QBLOCK], float s[2], float *m) {
-    const uint8_t *b;
-    uint32_t high = 0;
-    int j = (int)(k % 8), sc = 0, mn = 0;
-    *m = s[0] = s[1] = 0.f;  /* (a type the Python side never binds: zeros) */
-    switch (type) {
-    case GGML_Q8_0:
-        b = row + k * 34;
-        memcpy(q, b + 2, QBLOCK);
-        s[0] = s[1] = f16_at(b);
-        return;
-    case GGML_Q4_0: case GGML_Q4_1: case GGML_Q5_0: case GGML_Q5_1: {
-        static const int size[] = {[GGML_Q4_0] = 18, [GGML_Q4_1] = 20, [GGML_Q5_0] = 22, [GGML_Q5_1] = 24};
-        const int has_min = type == GGML_Q4_1 || type == GGML_Q5_1, five = type == GGML_Q5_0 || type == GGML_Q5_1;
-        b = row + k * size[type];
-        const uint8_t *nib = b + 2 + 2 * has_min + 4 * five;
-        if (five) memcpy(&high, b + 2 + 2 * has_min, 4);
-        const int offset = has_min ? 0 : five ? 16 : 8;
-        for (int i = 0; i < QBLOCK; i++) {
-            const int v = (i < 16 ? nib[i] & 0x0f : nib[i - 16] >> 4) | (int)((high >> i) & 1) << 4;
-            q[i] = (int8_t)(v - offset);
-        }
-        s[0] = s[1] = f16_at(b);
-        if (has_min) *m = f16_at(b + 2);
-        return;
-    }
-    case GGML_Q4_K: case GGML_Q5_K: {
-        const int five = type == GGML_Q5_K;
-        b = row + k / 8 * (five ? 176 : 144);
-        k_scale_min(b + 4, j, &sc, &mn);
-        const uint8_t *nib = b + (five ? 48 : 16) + 32 * (j / 2);
-        for (int i = 0; i < QBLOCK; i++)
-            q[i] = (int8_t)(((nib[i] >> (4 * (j & 1))) & 0x0f) | (five ? ((b[16 + i] >> j) & 1) << 4 : 0));
-        s[0] = s[1] = f16_at(b) * (float)sc;
-        *m = -(f16_at(b + 2) * (float)mn);
-        return;
-    }
-    case GGML_Q6_K: {
-        b = row + k / 8 * 210;
-        const int h = j / 4, run = j % 4;
-        for (int i = 0; i < QBLOCK; i++) {
-            const int low = (b[64 * h + 32 * (run & 1) + i] >> (4 * (run >> 1))) & 0x0f;
-            q[i] = (int8_t)((low | ((b[128 + 32 * h + i] >> (2 * run)) & 3) << 4) - 32);
-        }
-        const float d = f16_at(b + 208);
-        s[0] = d * (float)(int8_t)b[192 + 2 * j], s[1] = d * (float)(int8_t)b[192 + 2 * j + 1];
-        return;
-    }
-    }
-}
 INLINE void tile_ggml_any(int64_t type, const uint8_t *w, int64_t row_bytes, const Input *x, int64_t b0, int64_t in,
                           int R, int NB, float *acc) {
     const int64_t blocks = in / QBLOCK;
@@ -1275,11 +1277,13 @@ static void rms_norm(const float *x, const float *w, int64_t n, float eps, float
     for (int64_t i = 0; i < n; i++) y[i] = x[i] * rstd * w[i];
 }
 
-/* Rotate-half rotary, as RotaryEmbedding.rotate: x * cos + roll(x, D/2) * signed_sin. */
-static void rotate(float *x, const float *cos, const float *ssin, int64_t D) {
+/* Rotate-half rotary, as RotaryEmbedding.rotate: x * cos + roll(x, D/2) * signed_sin, signed_sin being sin with
+ * its first half negated (negating a product is exact: the same bits as the torch path's table). */
+static void rotate(float *x, const float *cos, const float *sin, int64_t D) {
     float tmp[1024];
     const int64_t half = D / 2;
-    for (int64_t d = 0; d < D; d++) tmp[d] = x[d] * cos[d] + x[d < half ? d + half : d - half] * ssin[d];
+    for (int64_t d = 0; d < half; d++) tmp[d] = x[d] * cos[d] + x[d + half] * -sin[d];
+    for (int64_t d = half; d < D; d++) tmp[d] = x[d] * cos[d] + x[d - half] * sin[d];
     memcpy(x, tmp, D * sizeof(float));
 }
 
@@ -1562,11 +1566,11 @@ static void place_token(const Model *m, const Layer *l, const Batch *batch, int6
     const int64_t D = m->head_dim, Hq = m->num_heads, Hkv = m->num_kv_heads, pos = batch->positions[i];
     float *q = s->qkv + i * l->qkv.out, *k = q + Hq * D, *v = k + Hkv * D;
     const float *cos = (l->cos ? l->cos : m->cos) + pos * D;
-    const float *ssin = (l->signed_sin ? l->signed_sin : m->signed_sin) + pos * D;
+    const float *sin = (l->sin ? l->sin : m->sin) + pos * D;
     for (int64_t h = 0; h < Hq + Hkv; h++) {
         float *head = q + h * D;  /* q heads then k heads, side by side */
         if (l->q_norm) rms_norm(head, h < Hq ? l->q_norm : l->k_norm, D, m->eps, head);
-        rotate(head, cos, ssin, D);
+        rotate(head, cos, sin, D);
     }
     const int64_t slot = slot_of(table_of(l, batch, b), pos, m->block_size);
     if (l->k_scales) {
@@ -1624,6 +1628,22 @@ static void mlp_block(const Model *m, const Layer *l, int64_t T, const Scratch *
     residual(m, team, &l->down, s->act, T, l->mlp_out_norm, s, &qb);
 }
 
+/* Row `id` of the embedding table; a GGUF table's row dequantized block by block (value = s * q + m). */
+static void embed_row(const Model *m, int64_t id, float *out) {
+    const int64_t H = m->hidden;
+    if (m->embed_format == FMT_F32) {
+        memcpy(out, (const float *)m->embed + id * H, H * sizeof(float));
+        return;
+    }
+    const uint8_t *row = (const uint8_t *)m->embed + id * m->embed_row_bytes;
+    for (int64_t k = 0; k < H / QBLOCK; k++) {
+        int8_t q[QBLOCK];
+        float sc[2], mn;
+        ggml_block(m->embed_format - FMT_GGML, row, k, q, sc, &mn);
+        for (int i = 0; i < QBLOCK; i++) out[k * QBLOCK + i] = sc[i / 16] * (float)q[i] + mn;
+    }
+}
+
 /* Logits [T, vocab] of one step: T tokens of B sequences (sequence b's are cu_q[b] .. cu_q[b + 1] - 1, at
  * consecutive positions ending at its last). Returns 0, or -1 when scratch memory could not be had. */
 API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *positions, int64_t B,
@@ -1653,7 +1673,7 @@ API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *po
                        (int8_t *)parts[6], parts[7], (int32_t *)parts[8], quant};
     const Batch batch = {T, B, table_stride, max_len, ids, positions, cu_q, tables};
     for (int64_t i = 0; i < T; i++) {
-        memcpy(s.x + i * H, m->embed + ids[i] * H, H * sizeof(float));
+        embed_row(m, ids[i], s.x + i * H);
         if (m->embed_scale != 1.f)
             for (int64_t j = 0; j < H; j++) s.x[i * H + j] *= m->embed_scale;
     }

@@ -50,7 +50,7 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
                 ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
                 ("k_cache", _ptr), ("v_cache", _ptr), ("k_scales", _ptr), ("v_scales", _ptr),
-                ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("cos", _ptr), ("signed_sin", _ptr),
+                ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
                 ("window", c_int64), ("group", c_int64)]
 
 
@@ -58,8 +58,8 @@ class _Model(ctypes.Structure):
     _fields_ = [("hidden", c_int64), ("num_layers", c_int64), ("num_heads", c_int64),
                 ("num_kv_heads", c_int64), ("head_dim", c_int64), ("vocab", c_int64), ("block_size", c_int64),
                 ("eps", c_float), ("scale", c_float), ("embed", _ptr), ("norm", _ptr), ("lm_head", _Linear),
-                ("cos", _ptr), ("signed_sin", _ptr), ("layers", POINTER(_Layer)), ("embed_scale", c_float),
-                ("gelu", c_int64)]
+                ("cos", _ptr), ("sin", _ptr), ("layers", POINTER(_Layer)), ("embed_scale", c_float),
+                ("gelu", c_int64), ("embed_format", c_int64), ("embed_row_bytes", c_int64)]
 
 
 MAX_HEAD_DIM = 1024  # decode.c's rotary scratch
@@ -171,7 +171,7 @@ class _LayerPlan:
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
     cos: torch.Tensor | None = None     # None: the model's tables
-    signed_sin: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
     window: int = 0
     group: int = 0
 
@@ -183,7 +183,7 @@ class _Plan:
     layers: list[_LayerPlan]
     norm: torch.Tensor
     cos: torch.Tensor
-    signed_sin: torch.Tensor
+    sin: torch.Tensor
     scale: float
     embed_scale: float = 1.0
     gelu: bool = False
@@ -198,11 +198,10 @@ def _plan(model: nn.Module, check_caches: bool = True) -> _Plan | None:
     from pagedchat.model.llama import LlamaFamilyModel
 
     spec = getattr(model, "spec", None)
-    if spec is None or spec.head_dim > MAX_HEAD_DIM or not _fp32(model.embed_tokens.weight):
+    if spec is None or spec.head_dim > MAX_HEAD_DIM or _embedding(model.embed_tokens) is None:
         return None
     if type(model) is LlamaFamilyModel and type(model.rotary) is RotaryEmbedding:
-        plan = _Plan([], model.norm.weight, model.rotary.cos, model.rotary.signed_sin,
-                     model.layers[0].self_attn.attn.scale)
+        plan = _Plan([], model.norm.weight, model.rotary.cos, model.rotary.sin, model.layers[0].self_attn.attn.scale)
         for layer in model.layers:
             attn = layer.self_attn
             plan.layers.append(_LayerPlan(
@@ -212,12 +211,8 @@ def _plan(model: nn.Module, check_caches: bool = True) -> _Plan | None:
                 *_caches(attn.attn)))
     elif type(model) is GemmaModel and _gemma3_covered(model):
         plus_one = lambda norm: (1.0 + norm.weight.float()).contiguous()   # noqa: E731
-        tables = {}
-        for layer in model.layers:
-            rotary = layer.self_attn.rotary
-            tables.setdefault(id(rotary), (rotary.cos.float().contiguous(), _signed(rotary.sin.float())))
-        cos, signed_sin = next(iter(tables.values()))
-        plan = _Plan([], plus_one(model.norm), cos, signed_sin, model.layers[0].self_attn.attn.scale,
+        first = model.layers[0].self_attn.rotary
+        plan = _Plan([], plus_one(model.norm), first.cos, first.sin, model.layers[0].self_attn.attn.scale,
                      float(model.embed_scale), gelu=True)
         for layer, group in zip(model.layers, model.groups.layer_group):
             attn = layer.self_attn
@@ -226,13 +221,14 @@ def _plan(model: nn.Module, check_caches: bool = True) -> _Plan | None:
                 plus_one(layer.input_layernorm), plus_one(layer.pre_feedforward_layernorm),
                 plus_one(attn.q_norm), plus_one(attn.k_norm), *_caches(attn.attn),
                 attn_out_norm=plus_one(layer.post_attention_layernorm),
-                mlp_out_norm=plus_one(layer.post_feedforward_layernorm), cos=tables[id(attn.rotary)][0],
-                signed_sin=tables[id(attn.rotary)][1], window=attn.attn.sliding_window or 0, group=group))
+                mlp_out_norm=plus_one(layer.post_feedforward_layernorm), cos=attn.rotary.cos, sin=attn.rotary.sin,
+                window=attn.attn.sliding_window or 0, group=group))
     else:
         return None
     norms = [t for p in plan.layers for t in (p.input_norm, p.post_norm, p.q_norm, p.k_norm, p.attn_out_norm,
                                                p.mlp_out_norm)]
-    if not all(_fp32(t) for t in (plan.norm, plan.cos, plan.signed_sin, *norms)):
+    tables = [t for p in plan.layers for t in (p.cos, p.sin)]
+    if not all(_fp32(t) for t in (plan.norm, plan.cos, plan.sin, *norms, *tables)):
         return None
     if check_caches and not all(_fp32(p.k_cache) or _plain(p.k_cache, torch.int8) for p in plan.layers):
         return None
@@ -246,15 +242,21 @@ def _gemma3_covered(model) -> bool:
         and all(layer.self_attn.rotary.rotary_dim == model.spec.head_dim for layer in model.layers)
 
 
+def _embedding(module: nn.Module) -> tuple[torch.Tensor, int] | None:
+    """(table, decode.c format) of the token embedding: an fp32 table, or a GGUF table's blocks in a type decode.c
+    reads (pagedchat/model/gguf/embedding.py); None for anything else."""
+    from pagedchat.model.gguf.embedding import GGUFEmbedding
+
+    if isinstance(module, GGUFEmbedding):
+        ok = module.qtype in GGML_NATIVE and _plain(module.blocks, torch.uint8) and module.embedding_dim % 32 == 0
+        return (module.blocks, FMT_GGML + module.qtype) if ok else None
+    weight = getattr(module, "weight", None)
+    return (weight, FMT_F32) if isinstance(weight, torch.Tensor) and _fp32(weight) else None
+
+
 def _caches(attention) -> tuple:
     """A paged attention layer's (k cache, v cache) as bound to the pool."""
     return attention.k_cache, attention.v_cache
-
-
-def _signed(sin: torch.Tensor) -> torch.Tensor:
-    """sin with its first half negated: rotate_half(x) * sin == roll(x, half) * signed_sin (RotaryEmbedding)."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).contiguous()
 
 
 def _stacked(tables: list[torch.Tensor]) -> torch.Tensor:
@@ -457,7 +459,11 @@ class NativeDecode:
                 or lib.pc_sizeof_layer() != ctypes.sizeof(_Layer):
             return None
         spec, plan = model.spec, _plan(model)
+        table = getattr(model.embed_tokens, "blocks", None)
+        tied = table is not None and table is getattr(model.lm_head, "part0", None)
         arena = gather_weights(_weights_in_step_order(model))
+        if tied:   # a GGUF table tied to the head: both read the head's copy in the arena (the file's pages go)
+            model.embed_tokens.blocks = model.lm_head.part0
         layers = (_Layer * spec.num_layers)()
         slot = {id(t): i for i, t in enumerate(k_caches)}   # a layer's scales: those of its cache in the pool
         for i, p in enumerate(plan.layers):
@@ -465,12 +471,14 @@ class NativeDecode:
             scales = (k_scales[slot[id(p.k_cache)]], v_scales[slot[id(p.k_cache)]]) if k_scales else (None, None)
             layers[i] = _Layer(*(_addr(t) for t in (p.input_norm, p.post_norm, p.q_norm, p.k_norm)), *linears,
                                *(_addr(t) for t in (p.k_cache, p.v_cache, *scales, p.attn_out_norm,
-                                                    p.mlp_out_norm, p.cos, p.signed_sin)), p.window, p.group)
+                                                    p.mlp_out_norm, p.cos, p.sin)), p.window, p.group)
         lm_head = _linear(model.lm_head)
+        table, table_format = _embedding(model.embed_tokens)
         struct = _Model(spec.hidden_size, spec.num_layers, spec.num_heads,
                         spec.num_kv_heads, spec.head_dim, spec.vocab_size, block_size, spec.rms_norm_eps,
-                        plan.scale, _addr(model.embed_tokens.weight), _addr(plan.norm), lm_head, _addr(plan.cos),
-                        _addr(plan.signed_sin), layers, plan.embed_scale, int(plan.gelu))
+                        plan.scale, _addr(table), _addr(plan.norm), lm_head, _addr(plan.cos),
+                        _addr(plan.sin), layers, plan.embed_scale, int(plan.gelu), table_format,
+                        table.shape[1] * table.element_size())
         signature = "|".join(str(x) for x in (
             f"{type(model).__name__}", f"hidden={spec.hidden_size}", f"layers={spec.num_layers}",
             f"heads={spec.num_heads}/{spec.num_kv_heads}", f"head_dim={spec.head_dim}",

@@ -16,6 +16,9 @@ from torch import nn
 from pagedchat.model.gguf.quants import SUPPORTED, dequantize_into, row_bytes, type_name
 
 
+CHUNK_ROWS = 16384   # rows dequantized at a time in forward (a transient of 16384 x in values)
+
+
 class GGUFLinear(nn.Module):
     """y = x W^T + b with W the parts' rows stacked in order: [(raw uint8 [rows_i, row_bytes_i], qtype_i), ...].
     Several parts because our models fuse q/k/v (and gate/up) into one layer while the file keeps them apart,
@@ -60,7 +63,19 @@ class GGUFLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized(x.dtype), bias)
+        if self.out_features <= CHUNK_ROWS:
+            return F.linear(x, self.dequantized(x.dtype), bias)
+        # A large layer (a 262k-token LM head) a slice of rows at a time: its dense transient stays small.
+        y = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype, device=x.device)
+        row = 0
+        for raw, qtype in self.parts:
+            for r in range(0, raw.shape[0], CHUNK_ROWS):
+                rows = raw[r:r + CHUNK_ROWS]
+                w = torch.empty((rows.shape[0], self.in_features), dtype=x.dtype, device=x.device)
+                dequantize_into(rows, qtype, w)
+                y[..., row + r:row + r + rows.shape[0]] = F.linear(x, w)
+            row += raw.shape[0]
+        return y if bias is None else y + bias
 
     def extra_repr(self) -> str:
         types = "+".join(type_name(qtype) for qtype in self.qtypes)

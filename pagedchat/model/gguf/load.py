@@ -21,6 +21,7 @@ from torch import nn
 from pagedchat.errors import ModelLoadError
 from pagedchat.model.checkpoint import target_of, target_rows
 from pagedchat.model.gguf import arch as gguf_arch
+from pagedchat.model.gguf.embedding import GGUFEmbedding
 from pagedchat.model.gguf.reader import GGUFFile, GGUFTensor, open_gguf
 
 FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: nothing to keep in a block format
@@ -88,8 +89,8 @@ def _tied_to_embedding(model: nn.Module, dtype: torch.dtype) -> bool:
     """Whether the LM head's blocks are the embedding's (load_tensors ties them so) and the embedding table,
     already dequantized, holds exactly what dequantizing them again would give (Gemma 3's 262k x 640 table:
     one fp32 copy instead of two, 671 MB)."""
-    spec, embed = getattr(model, "spec", None), getattr(model, "embed_tokens", None)
-    return bool(getattr(spec, "tie_embeddings", False)) and embed is not None and embed.weight.dtype == dtype
+    spec, table = getattr(model, "spec", None), getattr(getattr(model, "embed_tokens", None), "weight", None)
+    return bool(getattr(spec, "tie_embeddings", False)) and isinstance(table, torch.Tensor) and table.dtype == dtype
 
 
 def _keep_blocks(gguf: GGUFFile, quantize: str | None) -> bool:
@@ -111,6 +112,7 @@ def load_tensors(model: nn.Module, gguf: GGUFFile, config, keep_blocks: bool) ->
     modules = dict(model.named_modules())
     block_parts: dict[str, list[tuple[int, torch.Tensor, int]]] = {}   # linear module -> (row offset, raw, type)
     loaded: dict[str, int] = {}
+    kept_embedding = None   # (the embedding module's name, its dtype) when its table stays as blocks
     for tensor in gguf.tensors.values():
         hf = gguf_arch.hf_name(tensor.name, arch)
         if hf is None:
@@ -128,16 +130,38 @@ def load_tensors(model: nn.Module, gguf: GGUFFile, config, keep_blocks: bool) ->
             if keep_blocks and pname.endswith(".weight") and isinstance(modules.get(owner), nn.Linear) \
                     and not isinstance(offset, tuple):
                 block_parts.setdefault(owner, []).append((offset, raw, tensor.qtype))
+            elif keep_blocks and tensor.name == "token_embd.weight" and _blocks_for_lookup(tensor, params[pname]):
+                kept_embedding = (owner, params[pname].dtype)
             else:
                 loaded[pname] = loaded.get(pname, 0) + _fill(params[pname], offset, rows, raw, tensor, arch)
     embed = gguf.tensors["token_embd.weight"]
+    embed_blocks = torch.from_numpy(embed.data)   # (one tensor: a tied head and the table share its bytes)
     if keep_blocks and model.spec.tie_embeddings and embed.qtype not in FLOAT_TYPES:
-        # A tied LM head reads the embedding's blocks as the file stores them (the lookup table itself is
-        # dequantized): a quarter of the bytes per step at Q8_0, where fp32 logits would read them all.
-        block_parts["lm_head"] = [(0, embed.data, embed.qtype)]
+        # A tied LM head reads the embedding's blocks as the file stores them: a quarter of the bytes per step
+        # at Q8_0, where fp32 logits would read them all.
+        block_parts["lm_head"] = [(0, embed_blocks, embed.qtype)]
     for owner, parts in block_parts.items():
         _swap_linear(model, owner, parts)
+    if kept_embedding is not None:
+        owner, dtype = kept_embedding
+        _swap_embedding(model, owner, GGUFEmbedding(embed_blocks, embed.qtype, model.spec.hidden_size, dtype))
+        block_parts[owner] = []
     _check_complete(model, params, loaded, block_parts, gguf)
+
+
+def _blocks_for_lookup(tensor: GGUFTensor, param: torch.Tensor) -> bool:
+    """Whether the embedding table stays in the file's blocks (a lookup dequantizes its rows): a quantized
+    table, on the CPU (CUDA graphs capture the dense lookup)."""
+    return tensor.qtype not in FLOAT_TYPES and param.device.type == "cpu" and tensor.data.ndim == 2
+
+
+def _as_tensor(raw) -> torch.Tensor:
+    return raw if isinstance(raw, torch.Tensor) else torch.from_numpy(raw)
+
+
+def _swap_embedding(model: nn.Module, owner: str, table) -> None:
+    parent_name, _, attr = owner.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, attr, table)
 
 
 def _split_experts(hf: str, tensor: GGUFTensor):
@@ -189,7 +213,7 @@ def _swap_linear(model: nn.Module, owner: str, parts: list[tuple[int, np.ndarray
     parent = model.get_submodule(parent_name) if parent_name else model
     linear = getattr(parent, attr)
     parts = sorted(parts, key=lambda p: p[0])
-    blocks = [(torch.from_numpy(raw).to(linear.weight.device), qtype) for _, raw, qtype in parts]
+    blocks = [(_as_tensor(raw).to(linear.weight.device), qtype) for _, raw, qtype in parts]
     layer = GGUFLinear(blocks, linear.in_features, None if linear.bias is None else linear.bias.data)
     if layer.out_features != linear.out_features:
         raise ModelLoadError(f"{owner}: the file's weights give {layer.out_features} rows, the model expects "

@@ -374,11 +374,14 @@ function streamTargets(n, userText) {
 
 async function runTurn(path, body, n, userText) {
   if (state.streaming) return;
-  if (!state.session) await newSession();
+  state.streaming = { name: null, columns: new Map() };   // taken at once: a second send waits for this turn
+  setStreaming(true);
+  if (!state.session) {
+    try { await newSession(); } catch (e) { state.streaming = null; setStreaming(false); fail(e); return; }
+  }
   const name = state.session.name;
   const columns = streamTargets(n, userText);
   state.streaming = { name, columns };
-  setStreaming(true);
   notice("");
   let dirty = new Set(), pending = [], scheduled = false;
   const paint = () => {
