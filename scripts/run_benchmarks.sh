@@ -68,6 +68,7 @@ if want accuracy; then   # not a timing, but the native int8 path differs per IS
 fi
 if want real; then        # the published GGUF files against llama.cpp on the same file (fetched on first use)
     run "real-models-$ISA" -- python scripts/bench_real_models.py --threads 1 --repeats 3 --json
+    run "real-models-2threads-$ISA" -- python scripts/bench_real_models.py --threads 2 --repeats 3 --json
 fi
 if want web; then         # the chat page in Debian's chromium (apt install chromium chromium-driver)
     run "web-$ISA" -- python scripts/bench_web.py --repeats 5 --json
