@@ -75,3 +75,22 @@ def test_accuracy_command_on_a_random_model():
 def test_a_mode_it_cannot_run_is_one_line(pagedchat_cli, modes, line):
     code, _, err = pagedchat_cli("bench", "accuracy", "--modes", modes)
     assert code == 2 and err.strip().splitlines() == [f"pagedchat: error: {line}"]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_teacher_forced_logits_follow_a_window_model_past_its_window(model_dirs, native):
+    """The teacher-forced pass (the logit error of `bench accuracy`) gives each layer group its own blocks: on
+    Gemma 3 (window 24, blocks of 8) its logits pick the greedy tokens the engine itself generated, well past
+    the window, on the native step and on the torch path."""
+    from pagedchat.bench.int8_accuracy import teacher_forced_logits
+    from pagedchat.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=str(model_dirs["gemma3"][0]), device="cpu", num_blocks=96, block_size=8,
+                                 enable_prefix_cache=False), show_progress=False)
+    if not native:
+        engine.runner.native = engine.runner._native_next_try = None
+    prompt = [5 + i for i in range(30)]
+    greedy = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    tokens = greedy.outputs[0].token_ids
+    logits = teacher_forced_logits(engine, prompt, tokens)
+    assert logits.argmax(-1).tolist() == tokens

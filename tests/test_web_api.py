@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -308,3 +309,38 @@ def test_the_serve_command_shows_the_page_unless_no_web(model, tmp_path, web):
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_ctrl_c_on_the_server_keeps_the_pages_reply_saved(model, tmp_path):
+    """Stopping `pagedchat serve` while the page streams a reply ends the reply at the next step, kept and saved
+    (interrupted), as Ctrl-C does in the REPL, and the page gets its `done`; the server exits cleanly."""
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pagedchat.cli", "serve", "-m", str(model), "--port", "0",
+                             "--kv-memory", "4MiB"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        base = proc.stdout.readline().split()[2].removesuffix("v1")
+        with httpx.Client(base_url=base, timeout=60) as client:
+            view = client.post("/api/sessions", json={"name": "long"}).json()
+            for key, value in (("max_tokens", "100000"), ("temperature", "0")):
+                r = client.post("/api/sessions/long/settings", json={"key": key, "value": value,
+                                                                      "revision": view["revision"]})
+                assert r.status_code == 200, r.text
+                view = r.json()
+            got = []
+            with client.stream("POST", "/api/sessions/long/messages", json={"text": "go on forever"}) as response:
+                for line in response.iter_lines():
+                    if line.startswith("event: "):
+                        got.append(line[7:])
+                    if got == ["start", "delta"]:
+                        proc.send_signal(signal.SIGINT)
+        stderr = proc.communicate(timeout=60)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+    assert got[-1] == "done"          # the page was told before the server went, not cut off
+    saved = json.loads((tmp_path / "pagedchat" / "sessions" / "long.json").read_text())
+    reply = saved["nodes"][-1]
+    assert reply["role"] == "assistant" and reply["interrupted"] is True and reply["token_ids"]

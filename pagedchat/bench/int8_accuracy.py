@@ -25,15 +25,24 @@ def _engine(path: str, num_blocks: int, **setting) -> Engine:
 
 
 def _forward(runner, ids: list[int], start: int, blocks: int) -> torch.Tensor:
-    """Logits of `ids` placed at positions start.. of one sequence that owns blocks 0..blocks-1 (a decode step
-    on the native CPU step when the engine has it, as the engine runs it)."""
-    n, end = len(ids), start + len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(start, end),
-                             block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-                             seq_lens=torch.tensor([end], dtype=torch.int32),
-                             cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), is_decode=n == 1, max_seq_len=end)
+    """Logits of `ids` placed at positions start.. of one sequence that owns blocks 0..blocks-1 in every layer
+    group (group g's are g * blocks.. : a model with sliding-window groups keeps each group's K/V in blocks of its
+    own); a decode step on the native CPU step when the engine has it, as the engine runs it."""
+    n, end, bs = len(ids), start + len(ids), runner.block_size
+
+    def meta_of(group: int) -> AttentionMetadata:
+        first = group * blocks
+        return AttentionMetadata(slot_mapping=torch.arange(start, end) + first * bs,
+                                 block_tables=torch.arange(first, first + blocks, dtype=torch.int32)[None],
+                                 seq_lens=torch.tensor([end], dtype=torch.int32),
+                                 cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32), is_decode=n == 1,
+                                 max_seq_len=end)
+    meta = meta_of(0)
+    windows = [meta_of(g) for g in range(1, 1 + runner._window_groups())]
+    meta.window_metas = windows or None
     if n == 1 and runner.native is not None:
-        return runner.native.step(torch.tensor(ids), torch.arange(start, end), meta.block_tables, meta.cu_seqlens_q)
+        return runner.native.step(torch.tensor(ids), torch.arange(start, end), meta.block_tables, meta.cu_seqlens_q,
+                                  [m.block_tables for m in windows])
     model = runner.model
     return model.compute_logits(model(torch.tensor(ids), torch.arange(start, end), meta))
 
@@ -43,6 +52,9 @@ def teacher_forced_logits(engine: Engine, prompt: list[int], continuation: list[
     """[len(continuation), vocab]: the logits that predicted each continuation token."""
     runner = engine.runner
     blocks = -(-(len(prompt) + len(continuation)) // runner.block_size)
+    groups = 1 + runner._window_groups()
+    if groups * blocks > engine.pool_stats().num_blocks:
+        raise ValueError(f"the pool has {engine.pool_stats().num_blocks} blocks; this pass needs {groups * blocks}")
     rows = [_forward(runner, prompt, 0, blocks)[-1]]
     for i, token in enumerate(continuation[:-1]):
         rows.append(_forward(runner, [token], len(prompt) + i, blocks)[0])

@@ -189,10 +189,11 @@ class _Plan:
     gelu: bool = False
 
 
-def _plan(model: nn.Module, check_caches: bool = True) -> _Plan | None:
+def _plan(model: nn.Module, check_caches: bool = True, layer_groups: tuple[int, ...] | None = None) -> _Plan | None:
     """The plan of a model decode.c runs, or None: another family (Gemma 2's soft-capping, MoE, partial
     rotary, longrope), a tensor not plain fp32 on the CPU, a head too large. check_caches=False: before the
-    pool exists."""
+    pool exists. layer_groups: each layer's block-table group when the pool keeps window layers in groups of
+    their own (KVGroups.layer_group); None: every layer reads the one table (windows then only mask)."""
     from pagedchat.model.gemma import GemmaModel
     from pagedchat.model.layers import RotaryEmbedding
     from pagedchat.model.llama import LlamaFamilyModel
@@ -214,7 +215,7 @@ def _plan(model: nn.Module, check_caches: bool = True) -> _Plan | None:
         first = model.layers[0].self_attn.rotary
         plan = _Plan([], plus_one(model.norm), first.cos, first.sin, model.layers[0].self_attn.attn.scale,
                      float(model.embed_scale), gelu=True)
-        for layer, group in zip(model.layers, model.groups.layer_group):
+        for layer, group in zip(model.layers, layer_groups or [0] * len(model.layers)):
             attn = layer.self_attn
             plan.layers.append(_LayerPlan(
                 (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj),
@@ -436,9 +437,10 @@ class NativeDecode:
 
     @staticmethod
     def supports(model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
-                 k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None) -> bool:
+                 k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None,
+                 layer_groups: tuple[int, ...] | None = None) -> bool:
         """Whether decode.c covers this model and pool (the library aside)."""
-        plan = _plan(model)
+        plan = _plan(model, layer_groups=layer_groups)
         if plan is None or not _pool_fits(k_caches, v_caches, k_scales, v_scales):
             return False
         pool = {id(t) for t in (*k_caches, *v_caches)}
@@ -448,17 +450,18 @@ class NativeDecode:
 
     @classmethod
     def bind(cls, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_size: int,
-             k_scales: list[torch.Tensor] | None = None,
-             v_scales: list[torch.Tensor] | None = None) -> "NativeDecode | None":
+             k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None,
+             layer_groups: tuple[int, ...] | None = None) -> "NativeDecode | None":
         """The native step for this model, or None: not supported, or no library (yet: build.building()).
-        k_scales / v_scales: an int8 pool's float16 scales per layer, [num_blocks, block_size, kv_heads]."""
-        if not cls.supports(model, k_caches, v_caches, k_scales, v_scales):
+        k_scales / v_scales: an int8 pool's float16 scales per layer, [num_blocks, block_size, kv_heads].
+        layer_groups: as for _plan (the runner's KVGroups when its pool has window groups)."""
+        if not cls.supports(model, k_caches, v_caches, k_scales, v_scales, layer_groups):
             return None
         lib = build.load()
         if lib is None or lib.pc_sizeof_model() != ctypes.sizeof(_Model) \
                 or lib.pc_sizeof_layer() != ctypes.sizeof(_Layer):
             return None
-        spec, plan = model.spec, _plan(model)
+        spec, plan = model.spec, _plan(model, layer_groups=layer_groups)
         table = getattr(model.embed_tokens, "blocks", None)
         tied = table is not None and table is getattr(model.lm_head, "part0", None)
         arena = gather_weights(_weights_in_step_order(model))

@@ -88,14 +88,15 @@ def run_server(model_opts, host: str, port: int, api_key: str | None, served_mod
         engine, entry = load_engine(model_opts)
         aengine = AsyncEngine(engine)
         app = create_app(aengine, settings_for(entry, api_key, served_model_name, context_overflow))
+        page = None
         if web:
             from pagedchat.web import mount
 
-            mount(app, entry)
+            page = mount(app, entry)
         guarded = HostGuard(app, host, allowed_hosts, allowed_origins)
         config = uvicorn.Config(guarded, log_level="info" if verbose else "warning", access_log=verbose,
                                 timeout_graceful_shutdown=5, lifespan="on")
-        server = _make_server(config, aengine)
+        server = _make_server(config, aengine, page)
         pool = engine.pool_stats()
         name = served_model_name or entry.name
         print(f"pagedchat serve: {url_of(sock)}  model {name}  KV pool {pool.num_blocks} blocks x "
@@ -111,8 +112,9 @@ def run_server(model_opts, host: str, port: int, api_key: str | None, served_mod
         sock.close()
 
 
-def _make_server(config, aengine):
-    """A uvicorn.Server that ends open streams at once on Ctrl-C instead of waiting for them to finish."""
+def _make_server(config, aengine, page=None):
+    """A uvicorn.Server that ends open streams at once on Ctrl-C instead of waiting for them to finish (and the
+    chat page's turns, `page` its WebChat)."""
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -120,6 +122,8 @@ def _make_server(config, aengine):
             loop = aengine.loop
             if loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(aengine.close_open_groups)
+            if page is not None:
+                page.stop_all()     # the page's turns end at their next step, kept and saved
             super().handle_exit(sig, frame)
 
     return Server(config)

@@ -160,7 +160,7 @@ def install(app: FastAPI, web: WebChat) -> None:
     # -- turns ----------------------------------------------------------------------------------------------
     async def turn(name: str, revision: int | None, run):
         entry = await _threaded(web.workers, web.begin, name, revision)
-        return StreamingResponse(_stream_turn(web, entry, run), media_type="text/event-stream",
+        return StreamingResponse(_start_turn(web, entry, run), media_type="text/event-stream",
                                  headers={"cache-control": "no-store"})
 
     @api.post("/sessions/{name}/messages")
@@ -212,12 +212,11 @@ def _sse(event: str, data: dict) -> bytes:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
-async def _stream_turn(web: WebChat, entry, run):
-    """Run one turn in a worker thread and stream it as server-sent events; the session is released when the
-    turn ends, whether the client stayed or not."""
+def _start_turn(web: WebChat, entry, run):
+    """Start one turn in a worker thread now (the session is released when it ends, whatever becomes of the
+    response) and return the server-sent events of its answer."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    sent: dict[int, str] = {}
 
     def update(index: int, text: str) -> None:    # t: when the token reached the chat layer (the page's latency)
         loop.call_soon_threadsafe(events.put_nowait, ("text", index, text, time.time()))
@@ -226,19 +225,26 @@ async def _stream_turn(web: WebChat, entry, run):
         try:
             result = run(entry.controller, update)
             view = session_view(entry.controller.session)
-            done = {"session": view, "notes": result.notes, "save_error": result.save_error,
-                    "interrupted": result.interrupted, "stats": _plain(result.stats),
-                    "replies": [r.id for r in result.replies], "user": result.user.id if result.user else None}
-            loop.call_soon_threadsafe(events.put_nowait, ("done", done))
+            last = ("done", {"session": view, "notes": result.notes, "save_error": result.save_error,
+                             "interrupted": result.interrupted, "stats": _plain(result.stats),
+                             "replies": [r.id for r in result.replies],
+                             "user": result.user.id if result.user else None})
         except UserError as e:
-            loop.call_soon_threadsafe(events.put_nowait, ("error", {"message": str(e), "status": 400}))
+            last = ("error", {"message": str(e), "status": 400})
         except Exception as e:  # a bug must end the stream with a message, not hang the page
-            loop.call_soon_threadsafe(events.put_nowait, ("error", {"message": f"internal error: "
-                                                                    f"{type(e).__name__}: {e}", "status": 500}))
+            last = ("error", {"message": f"internal error: {type(e).__name__}: {e}", "status": 500})
         finally:
-            web.end(entry)
+            web.end(entry)      # before the page hears of the end: its next change may follow at once
+        loop.call_soon_threadsafe(events.put_nowait, last)
 
-    future = loop.run_in_executor(web.workers, work)
+    loop.run_in_executor(web.workers, work)
+    return _relay(entry, events)
+
+
+async def _relay(entry, events: asyncio.Queue):
+    """The turn's events as server-sent events: each variant's new text as a delta. A client that goes away
+    stops the turn at its next step (the worker keeps the reply, marked interrupted, and saves it)."""
+    sent: dict[int, str] = {}
     finished = False
     try:
         yield _sse("start", {"session": entry.controller.session.name})
@@ -256,9 +262,8 @@ async def _stream_turn(web: WebChat, entry, run):
             yield _sse(item[0], item[1])
             break
     finally:
-        if not finished:            # the client went away: stop the turn (kept, marked interrupted)
+        if not finished:
             entry.backend.stop()
-        await asyncio.shield(future) if finished else None
 
 
 def _plain(stats: dict) -> dict:

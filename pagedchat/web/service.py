@@ -48,10 +48,11 @@ class WebChat:
         self._opening = threading.Lock()
         self.workers = ThreadPoolExecutor(MAX_TURNS, thread_name_prefix="pagedchat-chat")
 
-    def close(self) -> None:
-        for entry in self.open.values():
+    def stop_all(self) -> None:
+        """Any thread: every running turn ends at its next step, its reply kept and saved (interrupted), as
+        Ctrl-C in the REPL does. The server calls it when it is stopped."""
+        for entry in list(self.open.values()):
             entry.backend.stop()
-        self.workers.shutdown(wait=False, cancel_futures=True)
 
     # -- sessions -------------------------------------------------------------------------------------------
     def _controller(self) -> tuple[ChatController, ServedBackend]:
@@ -70,8 +71,11 @@ class WebChat:
                 controller, backend = self._controller()
                 controller.open_session(name)
                 entry = self.open[name] = OpenSession(controller, backend)
-        if not entry.busy.locked():
-            self._catch_up(entry)
+        if entry.busy.acquire(blocking=False):   # (a turn running in it: it is the newest copy)
+            try:
+                self._catch_up(entry)
+            finally:
+                entry.busy.release()
         return entry
 
     def _catch_up(self, entry: OpenSession) -> None:

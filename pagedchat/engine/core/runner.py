@@ -98,7 +98,8 @@ class ModelRunner:
         if self.device.type == "cpu":
             from pagedchat.native.step import NativeDecode
 
-            if NativeDecode.supports(self.model, self.k_caches, self.v_caches, self.kv.k_scales, self.kv.v_scales):
+            if NativeDecode.supports(self.model, self.k_caches, self.v_caches, self.kv.k_scales, self.kv.v_scales,
+                                     self._layer_groups()):
                 self._native_next_try = 0.0
                 self._bind_native()
 
@@ -109,6 +110,10 @@ class ModelRunner:
 
     def _window_groups(self) -> int:
         return self.kv_groups.num_window_groups if self.kv_groups else 0
+
+    def _layer_groups(self) -> tuple[int, ...] | None:
+        """Each layer's block-table group, when this pool keeps window layers in groups of their own."""
+        return self.kv_groups.layer_group if self._window_groups() else None
 
     def close(self) -> None:
         """Drop the pool's caches, the graphs and the model (Engine.close): whatever still holds the runner (the
@@ -256,7 +261,8 @@ class ModelRunner:
         from pagedchat.native.step import NativeDecode
 
         self.native = NativeDecode.bind(self.model, self.k_caches, self.v_caches, self.block_size,
-                                        k_scales=self.kv.k_scales, v_scales=self.kv.v_scales)
+                                        k_scales=self.kv.k_scales, v_scales=self.kv.v_scales,
+                                        layer_groups=self._layer_groups())
         self._native_next_try = now + NATIVE_RETRY_S if self.native is None and build.building() else None
 
     def _native_fits(self, batch: ScheduledBatch, ids: torch.Tensor, meta: AttentionMetadata,
