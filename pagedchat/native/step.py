@@ -236,6 +236,18 @@ def _plan(model: nn.Module, check_caches: bool = True, layer_groups: tuple[int, 
     return plan
 
 
+def _covered_plan(model, k_caches, v_caches, k_scales, v_scales, layer_groups) -> _Plan | None:
+    """The model's plan when decode.c covers it and this pool: every layer bound to one of the pool's caches,
+    every linear layer in a format it reads; else None."""
+    plan = _plan(model, layer_groups=layer_groups)
+    if plan is None or not _pool_fits(k_caches, v_caches, k_scales, v_scales):
+        return None
+    pool = {id(t) for t in (*k_caches, *v_caches)}
+    if not all(id(layer.k_cache) in pool and id(layer.v_cache) in pool for layer in plan.layers):
+        return None
+    return plan if all(_linear(m) is not None for m in _weights_in_step_order(model)) else None
+
+
 def _gemma3_covered(model) -> bool:
     """Gemma 3 as decode.c runs it: no soft-capping (Gemma 2's), q/k norms, every rotary over the whole head."""
     g = model.gemma
@@ -440,13 +452,7 @@ class NativeDecode:
                  k_scales: list[torch.Tensor] | None = None, v_scales: list[torch.Tensor] | None = None,
                  layer_groups: tuple[int, ...] | None = None) -> bool:
         """Whether decode.c covers this model and pool (the library aside)."""
-        plan = _plan(model, layer_groups=layer_groups)
-        if plan is None or not _pool_fits(k_caches, v_caches, k_scales, v_scales):
-            return False
-        pool = {id(t) for t in (*k_caches, *v_caches)}
-        if not all(id(layer.k_cache) in pool and id(layer.v_cache) in pool for layer in plan.layers):
-            return False
-        return all(_linear(m) is not None for m in _weights_in_step_order(model))
+        return _covered_plan(model, k_caches, v_caches, k_scales, v_scales, layer_groups) is not None
 
     @classmethod
     def bind(cls, model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], block_size: int,
@@ -455,13 +461,14 @@ class NativeDecode:
         """The native step for this model, or None: not supported, or no library (yet: build.building()).
         k_scales / v_scales: an int8 pool's float16 scales per layer, [num_blocks, block_size, kv_heads].
         layer_groups: as for _plan (the runner's KVGroups when its pool has window groups)."""
-        if not cls.supports(model, k_caches, v_caches, k_scales, v_scales, layer_groups):
+        plan = _covered_plan(model, k_caches, v_caches, k_scales, v_scales, layer_groups)
+        if plan is None:
             return None
         lib = build.load()
         if lib is None or lib.pc_sizeof_model() != ctypes.sizeof(_Model) \
                 or lib.pc_sizeof_layer() != ctypes.sizeof(_Layer):
             return None
-        spec, plan = model.spec, _plan(model, layer_groups=layer_groups)
+        spec = model.spec
         table = getattr(model.embed_tokens, "blocks", None)
         tied = table is not None and table is getattr(model.lm_head, "part0", None)
         arena = gather_weights(_weights_in_step_order(model))

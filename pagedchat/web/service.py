@@ -9,6 +9,7 @@ the engine); their text reaches the HTTP handler through `on_update`.
 
 from __future__ import annotations
 
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -144,8 +145,6 @@ class WebChat:
         """(file body, media type) of the whole tree as Markdown or as the session's JSON."""
         session = self.session(name).controller.session
         if form == "json":
-            import json
-
             return json.dumps(session.to_dict(), ensure_ascii=False, indent=1), "application/json"
         if form in ("md", "markdown"):
             return export_markdown(session, all_branches=True), "text/markdown"
