@@ -433,3 +433,40 @@ def test_the_source_compiles_for_cpus_without_avx512(march, tmp_path):
                            f"-march={march}", "-c", "-o", str(tmp_path / "decode.o"), str(build.SOURCE)],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def _mapping_rss_kib(path: Path) -> int:
+    """Resident KiB of this process's mappings of `path` (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                inside = len(head) >= 6 and head[5] == str(path)
+            elif inside and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/smaps")
+def test_gathering_weights_drops_the_file_pages_they_came_from(tmp_path):
+    """The arena holds the weights' bytes after gather_weights; the file pages they were copied from leave the
+    process (else both stay resident), while anonymous memory is never dropped and every value stays."""
+    from torch import nn
+
+    from pagedchat.native.step import gather_weights
+
+    values = np.arange(1 << 20, dtype=np.float32)   # 4 MiB
+    path = tmp_path / "weights.bin"
+    values.tofile(path)
+    mapped = np.memmap(path, dtype=np.float32, mode="c")   # as the GGUF reader maps a file
+    from_file, anon = nn.Linear(1024, 1024, bias=False), nn.Linear(512, 512, bias=False)
+    from_file.weight.data = torch.from_numpy(mapped).view(1024, 1024)
+    anon_values = anon.weight.detach().clone()
+    assert float(from_file.weight.detach().sum()) == float(values.sum())  # every page of the file touched
+    assert _mapping_rss_kib(path) >= 4000
+    arena = gather_weights([from_file, anon])
+    assert arena is not None and _mapping_rss_kib(path) < 64
+    assert torch.equal(from_file.weight, torch.from_numpy(values).view(1024, 1024))
+    assert torch.equal(anon.weight, anon_values)
+    assert np.array_equal(mapped, values)   # the file's view reads the file again

@@ -160,11 +160,20 @@ def test_scaled_rope_and_remote_code_configs_use_autoconfig(model_dirs):
     assert type(load_config(path)).__module__.startswith("transformers")
 
 
-def test_run_imports_neither_transformers_nor_the_compiler_stack(tmp_path):
+@pytest.mark.parametrize("arch", [None, "gemma3", "qwen3_moe"])
+def test_run_imports_neither_transformers_nor_the_compiler_stack(tmp_path, arch):
     """The one-shot path: what costs seconds to import (transformers, torch._dynamo, sympy) or is GPU-only
-    (triton) stays out of the process."""
+    (triton) stays out of the process; also for GGUF files of the families whose modules are built apart from
+    Llama's (a layer's random init on the meta device imports torch._dynamo)."""
+    model = []
+    if arch:
+        from gguf_models import build_hf, write_gguf
+
+        path = tmp_path / f"{arch}.gguf"
+        write_gguf(build_hf(arch, tmp_path / "hf"), tmp_path / "hf", path, arch)
+        model = ['-m', str(path), '--raw']
     script = ("import sys\nfrom pagedchat.cli import main\n"
-              "sys.argv = ['pagedchat', 'run', '--max-tokens', '3', '--threads', '1', 'What is 17 + 25?']\n"
+              f"sys.argv = ['pagedchat', 'run', *{model!r}, '--max-tokens', '3', '--threads', '1', 'What is 17 + 25?']\n"
               "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
               "heavy = [m for m in ('transformers', 'torch._dynamo', 'sympy', 'triton') if m in sys.modules]\n"
               "print('HEAVY', heavy)\n")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedchat.model.kv_groups import plan_groups
+from pagedchat.model.layers import Embedding, Linear
 from pagedchat.model.attention import AttentionMetadata, PagedAttention
 from pagedchat.model.checkpoint import materialize, param_target
 from pagedchat.model.llama import ArchSpec
@@ -85,8 +86,8 @@ class GemmaAttention(nn.Module):
         super().__init__()
         self.spec = spec
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
+        self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = Linear(self.q_size, spec.hidden_size, bias=spec.o_bias)
         self.qk_norm = gemma.qk_norm
         if gemma.qk_norm:
             self.q_norm = GemmaRMSNorm(spec.head_dim, spec.rms_norm_eps)
@@ -110,8 +111,8 @@ class GemmaAttention(nn.Module):
 class GemmaMLP(nn.Module):
     def __init__(self, spec: ArchSpec):
         super().__init__()
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -138,11 +139,11 @@ class GemmaModel(nn.Module):
     def __init__(self, spec: ArchSpec, gemma: GemmaSpec, rotaries: dict[str, TableRotary]):
         super().__init__()
         self.spec, self.gemma = spec, gemma
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(spec, gemma, i, rotaries[t])
                                     for i, t in enumerate(gemma.layer_types))
         self.norm = GemmaRMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.tie_weights()
         self.groups = plan_groups(list(gemma.windows))
         self.embed_scale = gemma.embed_scale  # set to the model dtype's rounding by build_gemma_model

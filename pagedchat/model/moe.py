@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedchat import kernels
 from pagedchat.model.checkpoint import param_target
+from pagedchat.model.layers import Linear
 from pagedchat.model.llama import ArchSpec, LlamaFamilyModel
 
 
@@ -48,7 +49,7 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, moe: MoESpec):
         super().__init__()
         self.moe = moe
-        self.gate = nn.Linear(hidden_size, moe.num_experts, bias=False)   # the router
+        self.gate = Linear(hidden_size, moe.num_experts, bias=False)   # the router
         self.experts = Experts(moe.num_experts, hidden_size, moe.expert_size)
         self.backend = "auto"  # the runner's choice, like the attention layers
 

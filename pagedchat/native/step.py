@@ -328,15 +328,55 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
     start = -base.data_ptr() % HUGE_PAGE  # a 2 MiB boundary: where a huge page can start
     if hasattr(arena, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
         arena.madvise(mmap.MADV_HUGEPAGE, start, total)  # before the first touch: faults take huge pages
+    mapped = _file_mappings()
     for (module, name, t), offset in zip(tensors, offsets):
         nbytes = t.numel() * t.element_size()
         view = base[start + offset:start + offset + nbytes].view(t.dtype).view(t.shape)
         view.copy_(t)
+        _drop_file_pages(t.data_ptr(), nbytes, mapped)
         if isinstance(t, nn.Parameter):
             t.data = view  # every holder of the parameter (a tied embedding, PackedLinear) sees the arena
         else:
             setattr(module, name, view)  # a registered buffer (Int8Linear's weight, int4's packed, GGUF parts)
     return arena
+
+
+def _file_mappings() -> list[tuple[int, int]]:
+    """(start, end) of this process's file-backed mappings (a GGUF file's weights are views of one)."""
+    spans = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
+                    start, end = (int(x, 16) for x in fields[0].split("-"))
+                    spans.append((start, end))
+    except OSError:
+        pass
+    return spans
+
+
+def _drop_file_pages(addr: int, nbytes: int, mapped: list[tuple[int, int]]) -> None:
+    """Tell the kernel this process no longer needs the file pages a weight was just copied from. Why: the
+    arena now holds the bytes, and without this both copies stay resident (Gemma 3 270M Q4_K_M: ~250 MB of
+    the file's pages beside the arena). Only whole pages inside the weight's range of a file mapping are
+    dropped, never anonymous memory; a page read again later comes back from the file."""
+    page = mmap.PAGESIZE
+    first, last = -(-addr // page) * page, (addr + nbytes) // page * page
+    if last <= first or not any(s <= first and last <= e for s, e in mapped):
+        return
+    _libc().madvise(c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+    return _LIBC
+
+
+_LIBC = None
+MADV_DONTNEED = 4  # Linux
 
 
 def _weight_names(module: nn.Module) -> list[str]:
