@@ -362,10 +362,33 @@ def test_gemma3_decodes_gguf_natively_with_the_torch_paths_tokens(gguf_gemma3, q
     native_arithmetic(native.runner.model)
     native_arithmetic(torch_only.runner.model)
     got = [o.outputs[0].token_ids for o in native.generate(prompts, params)]
-    want = [o.outputs[0].token_ids for o in torch_only.generate(prompts, params)]
+    want = [o.outputs[0] for o in torch_only.generate(prompts, params.with_(logprobs=2))]
     assert sum(calls) >= 3 * (params.max_tokens - 1) - 3
-    assert got == want
+    for ours, theirs in zip(got, want):
+        assert_equal_up_to_a_near_tie(ours, theirs)
     native.check_invariants()
+
+
+ACTIVATION_TIE = 0.01  # see assert_equal_up_to_a_near_tie
+
+
+def assert_equal_up_to_a_near_tie(ours: list[int], reference) -> None:
+    """Greedy tokens equal to the reference output's (run with logprobs=2), or parting at a near-tie: the
+    reference's top-2 gap there below ACTIVATION_TIE, our token its runner-up. The tie is wider than the fp32
+    oracle's: both sides quantize activations to 8 bits per block, and a rounding difference in the sum before
+    (the torch twin's batched matmul sums in another order than the tiles, and in another order again for
+    another batch) moves a value to the next 8-bit step, the logits by ~1e-3 (a random Gemma 3 Q8_0 model
+    at a prompt of 30 tokens: native 11 in any batch; the torch path 11 alone, 274 beside an 11-token prompt;
+    their logit gap 0.0018)."""
+    theirs = reference.token_ids
+    part = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if part is None:
+        assert ours == theirs
+        return
+    top = reference.logprobs[part].top
+    gap = top[0][1] - top[1][1]
+    assert ours[part] == top[1][0] and gap < ACTIVATION_TIE, (
+        f"new token {part}: ours {ours[part]} != {theirs[part]}; the reference's top 2 {top}, gap {gap:.3g}")
 
 
 def record_twin_steps(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -377,7 +400,7 @@ def record_twin_steps(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
     pairs, inner = [], runner.native.step
 
-    def step(ids, positions, tables, cu, windows=()):
+    def step(ids, positions, tables, cu, windows=(), rows=None):
         caches, bs = runner.k_caches + runner.v_caches, runner.block_size
         saved = [c.clone() for c in caches]
         seq = torch.repeat_interleave(torch.arange(cu.shape[0] - 1), cu.diff())
@@ -387,8 +410,8 @@ def record_twin_steps(runner) -> list[tuple[torch.Tensor, torch.Tensor]]:
         want = torch_step(runner, ids, positions, meta)
         for cache, old in zip(caches, saved):
             cache.copy_(old)
-        got = inner(ids, positions, tables, cu, windows)
-        pairs.append((got, want))
+        got = inner(ids, positions, tables, cu, windows, rows)
+        pairs.append((got, want if rows is None else want[rows]))
         return got
 
     runner.native.step = step

@@ -1644,10 +1644,13 @@ static void embed_row(const Model *m, int64_t id, float *out) {
     }
 }
 
-/* Logits [T, vocab] of one step: T tokens of B sequences (sequence b's are cu_q[b] .. cu_q[b + 1] - 1, at
- * consecutive positions ending at its last). Returns 0, or -1 when scratch memory could not be had. */
+/* Logits of one step: T tokens of B sequences (sequence b's are cu_q[b] .. cu_q[b + 1] - 1, at consecutive
+ * positions ending at its last). Logits [n_out, vocab] of the rows out_rows (ascending: a prefill chunk samples
+ * only its last token, if any), or [T, vocab] of every row when n_out < 0. Returns 0, or -1 when scratch memory
+ * could not be had. */
 API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *positions, int64_t B,
-                const int32_t *cu_q, const int32_t *tables, int64_t table_stride, float *logits, int num_threads) {
+                const int32_t *cu_q, const int32_t *tables, int64_t table_stride, float *logits, int num_threads,
+                int64_t n_out, const int64_t *out_rows) {
     const int64_t H = m->hidden, D = m->head_dim, qkv_n = m->layers[0].qkv.out, I = m->layers[0].down.in;
     int64_t max_len = 1;
     for (int64_t i = 0; i < T; i++) max_len = positions[i] + 1 > max_len ? positions[i] + 1 : max_len;
@@ -1685,8 +1688,15 @@ API int pc_step(const Model *m, int64_t T, const int64_t *ids, const int64_t *po
             attention_block(m, &m->layers[i], &batch, &s, &team);
             mlp_block(m, &m->layers[i], T, &s, &team);
         }
+        const int64_t R = n_out < 0 ? T : n_out;
+        if (n_out >= 0) {  /* the sampled rows to the front, in order (out_rows[j] >= j: nothing read is overwritten) */
+            if (team.tid == 0)
+                for (int64_t j = 0; j < R; j++)
+                    if (out_rows[j] != j) memcpy(s.x + j * H, s.x + out_rows[j] * H, H * sizeof(float));
+            sync_team(&team);
+        }
         const QuantBuffers qb = quant_of(&s, &team);
-        linear(&team, &m->lm_head, norm_rows(m, m->norm, T, &s, &team), T, logits, 0, &qb);
+        if (R > 0) linear(&team, &m->lm_head, norm_rows(m, m->norm, R, &s, &team), R, logits, 0, &qb);
     }
     free(mem);
     return 0;

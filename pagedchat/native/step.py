@@ -485,7 +485,8 @@ class NativeDecode:
         self.threads: ThreadChoice | None = None
         self.paths = paths  # native or torch, per size of step (pagedchat/native/paths.py)
         lib.pc_step.restype = c_int
-        lib.pc_step.argtypes = [POINTER(_Model), c_int64, _ptr, _ptr, c_int64, _ptr, _ptr, c_int64, _ptr, c_int]
+        lib.pc_step.argtypes = [POINTER(_Model), c_int64, _ptr, _ptr, c_int64, _ptr, _ptr, c_int64, _ptr, c_int,
+                                c_int64, _ptr]
 
     @staticmethod
     def supports(model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -548,11 +549,14 @@ class NativeDecode:
         self.paths.record(tokens, seqs, torch.get_num_threads(), False, seconds)
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-             cu_seqlens_q: torch.Tensor, window_tables: list[torch.Tensor] = ()) -> torch.Tensor:
-        """Logits [T, vocab] of a step whose every token is sampled: sequence b's tokens are rows
-        cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1, at consecutive positions ending at its last (one for a
-        decode step, k + 1 for a verify step); their K/V are written into the pool. window_tables: the block
-        tables of each window layer group (AttentionMetadata.window_metas), when the model has them."""
+             cu_seqlens_q: torch.Tensor, window_tables: list[torch.Tensor] = (),
+             sample_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [T, vocab] of a step's T tokens: sequence b's tokens are rows cu_seqlens_q[b] ..
+        cu_seqlens_q[b + 1] - 1, at consecutive positions ending at its last (one for a decode step, k + 1 for a
+        verify step, a chunk of its prompt for a prefill step); their K/V are written into the pool.
+        sample_rows (int64, ascending): only those rows' logits, [len, vocab] (a prefill chunk samples its last
+        token, if any). window_tables: the block tables of each window layer group
+        (AttentionMetadata.window_metas), when the model has them."""
         assert len(window_tables) == self.groups - 1, "a model with window groups needs their block tables"
         if window_tables:
             block_tables = _stacked([block_tables, *window_tables])
@@ -564,11 +568,16 @@ class NativeDecode:
         if self.threads is None or self.threads.options[0] != budget:  # (the budget was changed: start over)
             self.threads = ThreadChoice(budget)
         threads = self.threads.pick(tokens)
-        logits = torch.empty((tokens, self.vocab), dtype=torch.float32)
+        if sample_rows is not None:
+            assert sample_rows.dtype == torch.int64 and sample_rows.is_contiguous()
+        rows = tokens if sample_rows is None else sample_rows.shape[0]
+        logits = torch.empty((rows, self.vocab), dtype=torch.float32)
         wall, cpu = time.perf_counter(), time.process_time()
         rc = self.lib.pc_step(ctypes.byref(self.struct), tokens, ids.data_ptr(), positions.data_ptr(),
                               B, cu_seqlens_q.data_ptr(), block_tables.data_ptr(),
-                              block_tables.shape[1], logits.data_ptr(), threads)
+                              block_tables.shape[1], logits.data_ptr(), threads,
+                              -1 if sample_rows is None else rows,
+                              None if sample_rows is None or rows == 0 else sample_rows.data_ptr())
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         self.threads.record(tokens, threads, wall, cpu)
         self.paths.record(tokens, B, budget, True, wall)

@@ -236,7 +236,10 @@ class ModelRunner:
         native = self._native_fits(batch, ids, meta, sample_rows)
         if native and self.native.use_native(ids.shape[0], len(batch.items)):  # (measured: native/paths.py)
             windows = [m.block_tables for m in meta.window_metas or ()]
-            return self.native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q, windows), samplers
+            every_row = len(sample_rows) == ids.shape[0]
+            rows = None if every_row else torch.tensor(sample_rows, dtype=torch.int64)
+            logits = self.native.step(ids, positions, meta.block_tables, meta.cu_seqlens_q, windows, rows)
+            return (logits, samplers) if sample_rows else (None, [])
         start = time.perf_counter()
         if self.graphs is not None and self.graphs.fits(ids.shape[0], max(n for _, n in batch.items)):
             hidden = self.graphs.replay(ids, positions, meta)
@@ -267,14 +270,13 @@ class ModelRunner:
 
     def _native_fits(self, batch: ScheduledBatch, ids: torch.Tensor, meta: AttentionMetadata,
                      sample_rows: list[int]) -> bool:
-        """A step the native step can run whole: every scheduled token is sampled (decode steps, beams, the
-        verify steps of speculative decoding), no prompt is scored or pooled (they need the hidden states),
-        and the attention layers are still on the torch twins (tests put them on the Triton kernels to run
-        those end to end)."""
-        every_row = len(sample_rows) == ids.shape[0]
-        if self.native is None and every_row:
+        """A step the native step can run whole: decode steps, beams, the verify steps of speculative decoding
+        and prefill chunks (only their sampled rows get logits), where no prompt is scored or pooled (they need
+        the hidden states) and the attention layers are still on the torch twins (tests put them on the Triton
+        kernels to run those end to end)."""
+        if self.native is None:
             self._bind_native()
-        return self.native is not None and every_row \
+        return self.native is not None and (len(sample_rows) == ids.shape[0] or _every_slot_held(meta)) \
             and all(seq.request.params.prompt_logprobs is None and not seq.request.params.embed
                     for seq, _ in batch.items) \
             and all(layer.backend == "torch" for layer in self.attention_layers)
@@ -360,6 +362,13 @@ class ModelRunner:
         return AttentionMetadata(to_device(token_slots(tables, rows, positions, self.block_size), self.device),
                                  to_device(tables, self.device), meta.seq_lens, meta.cu_seqlens_q, meta.is_decode,
                                  meta.max_seq_len)
+
+
+def _every_slot_held(meta: AttentionMetadata) -> bool:
+    """Whether every token of a prefill step has a slot in every layer group. A window group gives none to a
+    chunk's tokens that are behind its window by the chunk's end: the torch path attends to those from the
+    step's own K/V, while the native step reads all keys from the pool."""
+    return all(bool((m.slot_mapping >= 0).all()) for m in [meta, *(meta.window_metas or ())])
 
 
 def _bind(layer, caches: KVCaches, slot: int) -> None:
