@@ -179,12 +179,15 @@ def chat_forks(r: dict) -> str:
 def serve(r: dict) -> str:
     paged, reserved = r["modes"]["paged"], r["modes"]["reserved"]
     unit = "turns/s" if r["workload"].get("kind") == "chat" else "req/s"
+    # a search offers each mode its own rates: one row per rate either mode ran, "-" where the other did not
+    by_rate = [{row["rate"]: row for row in m["rows"]} for m in (paged, reserved)]
+    ttft = lambda x: "-" if x is None else f"**{secs(x['ttft_p99_s'])}**" if x["sustained"] else secs(x["ttft_p99_s"])  # noqa: E731
     rows = []
-    for p, q in zip(paged["rows"], reserved["rows"]):
-        rows.append([num(p["rate"]), f"**{secs(p['ttft_p99_s'])}**" if p["sustained"] else secs(p["ttft_p99_s"]),
-                     f"**{secs(q['ttft_p99_s'])}**" if q["sustained"] else secs(q["ttft_p99_s"]),
-                     num(p["output_tokens_per_s"]), num(q["output_tokens_per_s"]), p["preemptions"],
-                     pct(p.get("prefix_hit_rate"))])
+    for rate in sorted(by_rate[0].keys() | by_rate[1].keys()):
+        p, q = by_rate[0].get(rate), by_rate[1].get(rate)
+        rows.append([num(rate), ttft(p), ttft(q), num(p["output_tokens_per_s"]) if p else "-",
+                     num(q["output_tokens_per_s"]) if q else "-", p["preemptions"] if p else "-",
+                     pct(p.get("prefix_hit_rate")) if p else "-"])
     return (f"Paged sustains **{num(paged['sustained_rate'])} {unit}**, reservation {num(reserved['sustained_rate'])} "
             f"{unit}: **{times(r['sustained_ratio'])}** (p99 TTFT under {r['ttft_target_s']:g} s, no failed "
             f"request; bold: sustained).\n\n"

@@ -89,3 +89,57 @@ def test_every_rate_offers_at_least_one_request_within_the_window():
     for kind in ("lognormal", "chat"):
         conversations = offered_conversations(Workload(kind=kind, requests=20), sweep, 0.01, 0, vocab=100)
         assert len(conversations) == 1
+
+
+@pytest.mark.parametrize("limit", [0.05, 0.3, 1, 5.5, 13, 100, 600])
+def test_the_search_brackets_each_limit_to_a_ninth(limit):
+    """Whatever the limit (below the first rate, between any two, past the top), the search ends with the
+    highest rate it found sustained and the lowest it found not sustained at most 2 ** (1/8) apart, or says
+    the limit is outside what it may offer."""
+    from pagedchat.bench.serve import LimitSearch
+
+    search, offered = LimitSearch(start=1, top=512, steps=3), []
+    while (rate := search.next_rate()) is not None:
+        offered.append(rate)
+        search.record(rate, rate <= limit)
+        assert len(offered) < 20
+    low, high = search.low, search.high
+    if limit < 1 / 8:
+        assert low is None and high <= 1 / 4
+    elif limit >= 512:
+        assert high is None and low == 512
+    else:
+        assert low <= limit < high and high / low <= 2 ** (1 / 8) * 1.01, (offered, low, high)
+    assert len(offered) <= 15
+
+
+def test_the_search_runs_each_mode_to_its_own_limit_taking_turns(monkeypatch):
+    """Without --rates each mode is offered rates until its own limit is found: both modes report a limit
+    and the rate that broke it (never capped by a sweep), and in every round the modes take turns going
+    first."""
+    from pagedchat.bench import serve as bench_serve
+    from pagedchat.bench.load import Workload
+
+    limits, order = {"paged": 9.0, "reserved": 3.0}, []
+
+    async def fake_rate(base, w, p, rate, index, vocab, decode, done):
+        order.append((index, base))
+        ok = rate <= limits[base]
+        return {"rate": rate, "sustained": ok, "failed": 0 if ok else 1, "ttft_p99_s": 0.1 if ok else 9.0}
+
+    monkeypatch.setattr(bench_serve, "run_rate", fake_rate)
+    monkeypatch.setattr(bench_serve, "_start_servers", lambda model, p, tmp, stack, servers: {m: m for m in p.modes})
+    monkeypatch.setattr(bench_serve, "_tokenizer", lambda model, w: ["t"] * 10)
+
+    async def pool(base):
+        return {"num_blocks": 8, "block_size": 16, "capacity_tokens": 128}
+
+    monkeypatch.setattr(bench_serve, "_pool_of", pool)
+    result = bench_serve.run_serve_bench(None, "fake", Workload(), bench_serve.SweepParams(), show_progress=False)
+    paged, reserved = result["modes"]["paged"], result["modes"]["reserved"]
+    assert 8 <= paged["sustained_rate"] <= 9 < paged["first_unsustained_rate"] <= 9 * 2 ** (1 / 8)
+    assert 2.5 <= reserved["sustained_rate"] <= 3 < reserved["first_unsustained_rate"]
+    assert result["sustained_ratio"] == paged["sustained_rate"] / reserved["sustained_rate"] and not result["notes"]
+    firsts = [base for i, (index, base) in enumerate(order) if i == 0 or order[i - 1][0] != index]
+    both = sum(1 for index in {i for i, _ in order} if sum(1 for j, _ in order if j == index) == 2)
+    assert firsts[:2] == ["paged", "reserved"] and both >= 3

@@ -7,14 +7,17 @@ none, as a contiguous cache must). At each offered rate the same seeded requests
 one server, then the other; the order alternates from rate to rate, so drift on a shared machine hits both.
 While a rate runs, /v1/pagedchat/stats is polled for the KV blocks in use, preemptions and prefix hits.
 
-The headline: for each mode the highest rate up to which every rate of the sweep completed all its requests
-with p99 TTFT under the target ("sustained"), and paged / reserved.
+The headline: for each mode the highest rate up to which every rate it ran completed all its requests with
+p99 TTFT under the target ("sustained"), and paged / reserved. By default each mode's limit is searched for
+(LimitSearch: the rate doubles until one is not sustained, then the gap is halved), so the headline is never
+capped by a sweep that stopped below a limit; --rates runs a fixed sweep instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import signal
@@ -37,7 +40,10 @@ STATS_EVERY_S = 0.2
 
 @dataclass
 class SweepParams:
-    rates: tuple[float, ...] = (1, 2, 3, 4, 6, 8)     # offered requests per second
+    rates: tuple[float, ...] = ()                    # offered requests per second; () = search each mode's limit
+    search_from: float = 1.0                         # the search's first rate
+    search_to: float = 512.0                         # the highest rate the search offers
+    search_steps: int = 3                            # gap halvings once a rate is not sustained
     modes: tuple[str, ...] = MODES
     pool_blocks: int = 192                           # KV pool of each server, in blocks
     block_size: int = 16
@@ -49,8 +55,10 @@ class SweepParams:
     max_context: int | None = None
 
     def check(self) -> None:
-        if not self.rates or min(self.rates) <= 0:
+        if self.rates and min(self.rates) <= 0:
             raise UserError("--rates wants positive requests per second, e.g. 1,2,4")
+        if not 0 < self.search_from <= self.search_to:
+            raise UserError("--max-rate must be at least the search's first rate (1 request/s)")
         if any(m not in MODES for m in self.modes) or not self.modes:
             raise UserError(f"--modes wants a comma-separated subset of {', '.join(MODES)}")
         if self.pool_blocks < 1 or self.ttft_target_s <= 0 or self.max_seconds <= 0 or self.timeout_s <= 0:
@@ -203,6 +211,40 @@ def summarize(rate: float, offered: int, results: list[RequestResult], elapsed: 
     return row
 
 
+class LimitSearch:
+    """One mode's search for the highest rate it sustains: from `start`, the rate doubles until one is not
+    sustained, then the gap between the highest sustained and the lowest not sustained rate is halved
+    (geometrically) `steps` times: the limit is bracketed to a factor 2 ** (1 / 2 ** steps) (1.09 at 3 steps)
+    in about log2(limit / start) + steps + 1 rates. A first rate not sustained halves instead, down to
+    start / 8. Past `top` the search stops: the limit is above it."""
+
+    def __init__(self, start: float, top: float, steps: int):
+        self.start, self.top, self.steps = start, top, steps
+        self.low: float | None = None    # the highest rate sustained
+        self.high: float | None = None   # the lowest rate not sustained
+        self.narrowed = 0
+
+    def next_rate(self) -> float | None:
+        """The next rate to offer, or None: the search is over."""
+        if self.high is None:
+            rate = self.start if self.low is None else self.low * 2
+            return rate if rate <= self.top else None
+        if self.low is None:
+            rate = self.high / 2
+            return rate if rate >= self.start / 8 else None
+        if self.narrowed >= self.steps:
+            return None
+        return float(f"{math.sqrt(self.low * self.high):.3g}")
+
+    def record(self, rate: float, sustained: bool) -> None:
+        if self.low is not None and self.high is not None:
+            self.narrowed += 1
+        if sustained:
+            self.low = rate if self.low is None else max(self.low, rate)
+        else:
+            self.high = rate if self.high is None else min(self.high, rate)
+
+
 def sustained_rate(rows: list[dict]) -> float | None:
     """The highest rate up to which every rate of the sweep was sustained (the knee of the curve)."""
     best = None
@@ -225,21 +267,37 @@ def run_serve_bench(model: Path, model_name: str, w: Workload, p: SweepParams, u
     servers: dict[str, dict] = {}
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="pagedchat-bench-serve-") as tmp:
         bases = {p.modes[0]: check_loopback(url)} if url else _start_servers(model, p, Path(tmp), stack, servers)
-        progress, task = _progress(stack, show_progress, sum(_offered(w, p, r, i, vocab) for i, r in
-                                                             enumerate(p.rates)) * len(bases))
-        for i, rate in enumerate(p.rates):
-            for mode in (p.modes if i % 2 == 0 else p.modes[::-1]):
+        total = sum(_offered(w, p, r, i, vocab) for i, r in enumerate(p.rates)) * len(bases) if p.rates else None
+        progress, task = _progress(stack, show_progress, total)
+        searches = {m: LimitSearch(p.search_from, p.search_to, p.search_steps) for m in p.modes}
+        for i, offers in enumerate(_rounds(p, searches)):
+            for mode, rate in (offers if i % 2 == 0 else offers[::-1]):
                 if progress is not None:
                     progress.update(task, description=f"{mode:>8} {rate:g} req/s")
                 advance = (lambda: progress.advance(task)) if progress is not None else (lambda: None)
-                rows[mode].append(asyncio.run(run_rate(bases[mode], w, p, rate, i, vocab, decode, advance)))
+                row = asyncio.run(run_rate(bases[mode], w, p, rate, i, vocab, decode, advance))
+                rows[mode].append(row)
+                searches[mode].record(rate, row["sustained"])
         pool = asyncio.run(_pool_of(next(iter(bases.values()))))
     modes = {m: {"sustained_rate": sustained_rate(r), "failed": sum(x["failed"] for x in r), "rows": r}
              for m, r in rows.items()}
+    if not p.rates:
+        for m, search in searches.items():
+            modes[m]["first_unsustained_rate"] = search.high
     paged, reserved = (modes.get(m, {}).get("sustained_rate") for m in MODES)
     return {"benchmark": "serve", "model": model_name, "workload": asdict(w), "sweep": asdict(p),
             "pool": pool, "ttft_target_s": p.ttft_target_s, "sustained_ratio": ratio(paged, reserved),
             "modes": modes, "servers": servers, "notes": _notes(modes, p)}
+
+
+def _rounds(p: SweepParams, searches: dict[str, LimitSearch]):
+    """Each round's (mode, rate) offers: every mode at each rate of a fixed sweep, or each mode's next search
+    rate (a round's modes take turns going first, so drift on a shared machine hits both)."""
+    if p.rates:
+        yield from ([(m, rate) for m in p.modes] for rate in p.rates)
+        return
+    while offers := [(m, r) for m, r in ((m, s.next_rate()) for m, s in searches.items()) if r is not None]:
+        yield offers
 
 
 def _start_servers(model: Path, p: SweepParams, tmp: Path, stack: ExitStack, servers: dict) -> dict[str, str]:
@@ -303,12 +361,16 @@ def _tokenizer(model: Path, w: Workload):
 
 def _notes(modes: dict, p: SweepParams) -> list[str]:
     notes = []
-    top = max(p.rates)
+    top = max(p.rates) if p.rates else None
     for mode, m in modes.items():
         if m["sustained_rate"] is None:
-            notes.append(f"{mode}: not even the lowest rate was sustained: lower --rates")
-        elif m["sustained_rate"] == top:
+            lowest = "lowest rate of the sweep: lower --rates" if p.rates else f"{p.search_from / 8:g} req/s"
+            notes.append(f"{mode}: not even the {lowest} was sustained")
+        elif p.rates and m["sustained_rate"] == top:
             notes.append(f"{mode}: sustained the highest rate of the sweep: its limit is higher (raise --rates)")
+        elif not p.rates and m.get("first_unsustained_rate") is None:
+            notes.append(f"{mode}: sustained {m['sustained_rate']:g} req/s, the search's top: its limit is higher "
+                         f"(raise --max-rate)")
     return notes
 
 
@@ -324,7 +386,9 @@ def print_serve_report(result: dict) -> None:
         print_table(f"{mode}: {w['kind']} workload, pool {pool['num_blocks']} blocks x {pool['block_size']}",
                     ["req/s", "done", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99", "e2e p50", "out tok/s",
                      "KV peak", "KV mean", "preempt", "prefix hit", "sustained"], rows)
-    sustained = ", ".join(f"{m} {fmt(v['sustained_rate'])} req/s" for m, v in result["modes"].items())
+    sustained = ", ".join(f"{m} {fmt(v['sustained_rate'])} req/s" + (
+        f" ({fmt(v['first_unsustained_rate'])} not)" if v.get("first_unsustained_rate") else "")
+        for m, v in result["modes"].items())
     print(f"sustained with p99 TTFT <= {result['ttft_target_s']:g} s and no failures: {sustained}; "
           f"paged / reserved = {fmt(result['sustained_ratio'])}")
     for note in result["notes"]:
@@ -345,9 +409,10 @@ def plot_serve(results: list[dict], path: str) -> None:
     for col, result in enumerate(results):
         top, bottom = axes[0][col], axes[1][col]
         for mode, m in result["modes"].items():
-            rates = [r["rate"] for r in m["rows"]]
-            top.plot(rates, [r["ttft_p99_s"] for r in m["rows"]], "o-", color=colors[mode], label=mode)
-            bottom.plot(rates, [r["output_tokens_per_s"] for r in m["rows"]], "o-", color=colors[mode], label=mode)
+            ran = sorted(m["rows"], key=lambda r: r["rate"])   # (a search's rates come out of order)
+            rates = [r["rate"] for r in ran]
+            top.plot(rates, [r["ttft_p99_s"] for r in ran], "o-", color=colors[mode], label=mode)
+            bottom.plot(rates, [r["output_tokens_per_s"] for r in ran], "o-", color=colors[mode], label=mode)
             if m["sustained_rate"] is not None:
                 top.axvline(m["sustained_rate"], color=colors[mode], ls=":", lw=1)
         top.axhline(result["ttft_target_s"], color="gray", ls="--", lw=1, label="p99 target")

@@ -353,9 +353,9 @@ def _plot_beams(beams: dict, plot: str) -> None:
     plot_beam_memory(beams, beams["plot"])
 
 
-@bench.command("serve", help="Latency under load through `pagedchat serve`: Poisson arrivals over a sweep of "
-                             "rates, paged vs up-front reservation (what a contiguous cache must do) on the same "
-                             "engine and pool; the highest load each sustains with p99 TTFT under a target.")
+@bench.command("serve", help="Latency under load through `pagedchat serve`: Poisson arrivals, paged vs up-front "
+                             "reservation (what a contiguous cache must do) on the same engine and pool; the highest "
+                             "load each sustains with p99 TTFT under a target, searched for (or over --rates).")
 def serve(
     model: Optional[str] = typer.Option(None, "-m", "--model", help="models.toml name or local HF folder with a "
                                                                    "tokenizer (default: a random bench model "
@@ -366,7 +366,10 @@ def serve(
                                                           "mode: name it with --modes)."),
     workload: str = typer.Option("lognormal", "--workload", help="lognormal (independent requests) or chat "
                                                                  "(multi-turn conversations)."),
-    rates: str = typer.Option("1,2,3,4,6,8", "--rates", help="Offered loads, requests/s, comma-separated."),
+    rates: Optional[str] = typer.Option(None, "--rates", help="A fixed sweep of offered loads, requests/s, "
+                                                                "comma-separated (default: each mode's limit is "
+                                                                "searched for, from 1 request/s up)."),
+    max_rate: float = typer.Option(512, "--max-rate", help="The highest load the search offers, requests/s."),
     requests: int = typer.Option(60, "--requests", help="Requests per rate and mode (count bound)."),
     max_seconds: float = typer.Option(60, "--max-seconds", help="Arrivals per rate stop after this (time bound)."),
     mean_prompt: float = typer.Option(64, "--mean-prompt", help="Mean prompt tokens (chat: per user message)."),
@@ -399,9 +402,11 @@ def serve(
     if workload not in ("lognormal", "chat"):
         raise UserError(f"--workload wants lognormal or chat, got {workload!r}")
     try:
-        rate_list = tuple(sorted({float(r) for r in rates.split(",") if r.strip()}))
+        rate_list = tuple(sorted({float(r) for r in rates.split(",") if r.strip()})) if rates is not None else ()
     except ValueError:
         raise UserError(f"--rates wants comma-separated requests/s, got {rates!r}") from None
+    if rates is not None and not rate_list:
+        raise UserError("--rates wants comma-separated requests/s, e.g. 1,2,4 (leave it out to search)")
     mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
     if url and len(mode_list) != 1:
         raise UserError("--url measures one server: name its mode with --modes paged or --modes reserved")
@@ -411,7 +416,8 @@ def serve(
     plot = _plot_path(plot)
     load = Workload(kind=workload, requests=requests, mean_prompt=mean_prompt, mean_output=mean_output, sigma=sigma,
                     max_tokens=max_tokens, system_tokens=system_tokens, turns=turns, think_s=think, seed=seed)
-    sweep = SweepParams(rates=rate_list, modes=mode_list, pool_blocks=pool_blocks, block_size=block_size,
+    sweep = SweepParams(rates=rate_list, search_to=max_rate, modes=mode_list, pool_blocks=pool_blocks,
+                        block_size=block_size,
                         ttft_target_s=ttft_target, max_seconds=max_seconds, timeout_s=timeout,
                         threads=_threads(threads, device) or 0, device=device)
     with tempfile.TemporaryDirectory(prefix="pagedchat-bench-model-") as tmp:
