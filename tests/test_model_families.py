@@ -75,6 +75,7 @@ def test_phi3_longrope_tables_switch_to_long_factors_past_the_original_context(m
     hf = model_dirs["phi3"][1]
     original = hf.config.rope_parameters["original_max_position_embeddings"]
     ours = TableRotary.from_config(hf.config, 16, 512)
+    ours.positions.ensure(512)
     x = torch.zeros(1)
     for position in (0, 5, original - 1, original, 400):
         cos, sin = hf.model.rotary_emb(x, torch.tensor([[position]]))  # HF picks short/long by this length
@@ -165,3 +166,23 @@ def test_gemma3_vision_language_checkpoint_serves_its_text_model(tmp_path, typer
     assert_greedy_equal(out.outputs[0].token_ids, *reference(hf, prompt, 24))
     shown = json.loads(typer_cli("models", "show", str(tmp_path / "gemma3_vl"), "--json").output)
     assert {s["key"]: s["value"] for s in shown["settings"]}["family"].startswith("gemma3: ")
+
+
+@pytest.mark.parametrize("longrope", [False, True])
+def test_rope_tables_are_computed_as_far_as_positions_go_and_equal_whole_tables(longrope, model_dirs):
+    """A model's rope tables hold rows only for the positions asked for so far (a 32k-position Gemma 3 table
+    would take 134 MB), in pages of memory written only then; every row equals the whole table's row."""
+    from pagedchat.model.layers import RotaryEmbedding
+    from pagedchat.model.rope import TableRotary
+
+    config = model_dirs["phi3" if longrope else "llama"][1].config
+    size, chunk = 5000, 1024
+    rotary = TableRotary.from_config(config, 16, size) if longrope else RotaryEmbedding(config, 16, size)
+    assert rotary.positions.filled == 0
+    rotary.rotate(torch.tensor([3, 1500]), torch.ones(2, 1, 16))
+    assert rotary.positions.filled == 2 * chunk
+    rotary.rotate(torch.tensor([size - 1]), torch.ones(1, 1, 16))
+    assert rotary.positions.filled == size
+    whole = rotary.positions.compute(torch.arange(size))   # every row at once, as the tables once were made
+    for got, want in zip(rotary.positions.tables, whole):
+        assert torch.equal(got, want)

@@ -42,6 +42,7 @@ class PagedAttention(nn.Module):
         given) and the K/V write into the pool in one kernel, the rotated K going straight to its slot. A
         float pool only (a quantized pool's writes go through write_kv, which quantizes)."""
         assert self.k_scale is None, "the fused rotary + K/V write stores floats: a quantized pool takes forward()"
+        rotary.positions.ensure_for(positions)
         q = kernels.rope_write_kv(q, k, v, positions, rotary.cos, rotary.sin, self.k_cache, self.v_cache,
                                   meta.slot_mapping, q_norm=q_norm, k_norm=k_norm, eps=eps, backend=self.backend)
         return self.attend(q, meta)

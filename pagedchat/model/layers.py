@@ -102,21 +102,28 @@ class RotaryEmbedding:
     """
 
     def __init__(self, config, head_dim: int, max_positions: int, device: torch.device | str = "cpu"):
+        from pagedchat.model.rope import PositionTables
+
         inv_freq, scaling = rope_inv_freq(config, head_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scaling).to(device)
-        self.sin = (emb.sin() * scaling).to(device)
-        # rotate_half(x) * sin == roll(x, half) * signed_sin: one roll instead of two slices, a negation
-        # and a concatenation (negating sin is exact, so the result is bit for bit the same).
         half = head_dim // 2
-        self.signed_sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+
+        def compute(positions: torch.Tensor):
+            freqs = positions.float()[:, None] * inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = emb.cos() * scaling, emb.sin() * scaling
+            # rotate_half(x) * sin == roll(x, half) * signed_sin: one roll instead of two slices, a negation
+            # and a concatenation (negating sin is exact, so the result is bit for bit the same).
+            return cos, sin, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+
+        self.positions = PositionTables(compute, max_positions, head_dim, 3, device)
+        self.cos, self.sin, self.signed_sin = self.positions.tables
         self._step = (None, None)  # (positions, (cos, sin)) of the step being run: every layer shares it
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin rows [T, 1, D] for `positions`, looked up once per forward pass."""
         last, cached = self._step
         if last is not positions or cached[0].dtype != dtype:
+            self.positions.ensure_for(positions)
             cached = (self.cos[positions].to(dtype).unsqueeze(1), self.signed_sin[positions].to(dtype).unsqueeze(1))
             self._step = (positions, cached)
         return cached

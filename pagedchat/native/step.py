@@ -187,6 +187,7 @@ class _Plan:
     scale: float
     embed_scale: float = 1.0
     gelu: bool = False
+    rotaries: list = field(default_factory=list)   # whose PositionTables the cos / sin pointers are views of
 
 
 def _plan(model: nn.Module, check_caches: bool = True, layer_groups: tuple[int, ...] | None = None) -> _Plan | None:
@@ -202,7 +203,8 @@ def _plan(model: nn.Module, check_caches: bool = True, layer_groups: tuple[int, 
     if spec is None or spec.head_dim > MAX_HEAD_DIM or _embedding(model.embed_tokens) is None:
         return None
     if type(model) is LlamaFamilyModel and type(model.rotary) is RotaryEmbedding:
-        plan = _Plan([], model.norm.weight, model.rotary.cos, model.rotary.sin, model.layers[0].self_attn.attn.scale)
+        plan = _Plan([], model.norm.weight, model.rotary.cos, model.rotary.sin, model.layers[0].self_attn.attn.scale,
+                     rotaries=[model.rotary])
         for layer in model.layers:
             attn = layer.self_attn
             plan.layers.append(_LayerPlan(
@@ -214,7 +216,8 @@ def _plan(model: nn.Module, check_caches: bool = True, layer_groups: tuple[int, 
         plus_one = lambda norm: (1.0 + norm.weight.float()).contiguous()   # noqa: E731
         first = model.layers[0].self_attn.rotary
         plan = _Plan([], plus_one(model.norm), first.cos, first.sin, model.layers[0].self_attn.attn.scale,
-                     float(model.embed_scale), gelu=True)
+                     float(model.embed_scale), gelu=True,
+                     rotaries=list({id(r): r for r in (layer.self_attn.rotary for layer in model.layers)}.values()))
         for layer, group in zip(model.layers, layer_groups or [0] * len(model.layers)):
             attn = layer.self_attn
             plan.layers.append(_LayerPlan(
@@ -331,9 +334,12 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
     mapped = _file_mappings()
     for (module, name, t), offset in zip(tensors, offsets):
         nbytes = t.numel() * t.element_size()
-        view = base[start + offset:start + offset + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
-        _drop_file_pages(t.data_ptr(), nbytes, mapped)
+        dest = base[start + offset:start + offset + nbytes]
+        source = t.detach().contiguous().view(-1).view(torch.uint8)
+        for at in range(0, nbytes, COPY_SLICE):   # a slice at a time: a large table is never resident twice
+            dest[at:at + COPY_SLICE].copy_(source[at:at + COPY_SLICE])
+            _drop_file_pages(source.data_ptr() + at, min(COPY_SLICE, nbytes - at), mapped)
+        view = dest.view(t.dtype).view(t.shape)
         if isinstance(t, nn.Parameter):
             t.data = view  # every holder of the parameter (a tied embedding, PackedLinear) sees the arena
         else:
@@ -377,6 +383,7 @@ def _libc() -> ctypes.CDLL:
 
 _LIBC = None
 MADV_DONTNEED = 4  # Linux
+COPY_SLICE = 4 << 20   # bytes gather_weights copies (and drops the file pages of) at a time
 
 
 def _weight_names(module: nn.Module) -> list[str]:
@@ -478,8 +485,10 @@ class _Choice:
 class NativeDecode:
     """Runs a decode step through decode.c; holds the tensors it points into so they stay alive."""
 
-    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list, paths: PathChoice, groups: int = 1):
+    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list, paths: PathChoice, groups: int = 1,
+                 rotaries: list = ()):
         self.lib, self.struct, self.layers, self.keep = lib, model_struct, layers, keep
+        self.rotaries = list(rotaries)  # whose cos / sin tables the struct points into
         self.groups = groups  # block tables per step: the global one, then one per window layer group
         self.vocab = model_struct.vocab
         self.threads: ThreadChoice | None = None
@@ -538,7 +547,7 @@ class NativeDecode:
             f"pool={'int8' if k_scales is not None else 'fp32'}"))
         paths = PathChoice(Path(lib._name).with_suffix(".paths.json"), signature)
         return cls(lib, struct, layers, [model, k_caches, v_caches, k_scales, v_scales, arena, plan], paths,
-                   groups=1 + max(p.group for p in plan.layers))
+                   groups=1 + max(p.group for p in plan.layers), rotaries=plan.rotaries)
 
     def use_native(self, tokens: int, seqs: int) -> bool:
         """Whether a step of this many tokens and sequences should take the native path (measured)."""
@@ -558,6 +567,8 @@ class NativeDecode:
         token, if any). window_tables: the block tables of each window layer group
         (AttentionMetadata.window_metas), when the model has them."""
         assert len(window_tables) == self.groups - 1, "a model with window groups needs their block tables"
+        for rotary in self.rotaries:   # their rows for these positions computed before C reads them
+            rotary.positions.ensure_for(positions)
         if window_tables:
             block_tables = _stacked([block_tables, *window_tables])
         assert ids.dtype == positions.dtype == torch.int64 and block_tables.dtype == cu_seqlens_q.dtype == torch.int32

@@ -29,6 +29,7 @@ FLOAT_TYPES = (0, 1, 30)   # F32, F16, BF16: nothing to keep in a block format
 
 def load_gguf(paths: list[Path], dev: torch.device, dtype: str, max_model_len: int | None, show_progress: bool,
               chat_template: str | None, quantize: str | None):
+    from pagedchat.memory import give_back_free_heap
     from pagedchat.model.loader import LoadedModel, build_empty_model, finish_model, resolve_dtype
 
     gguf = open_gguf(paths)
@@ -36,6 +37,7 @@ def load_gguf(paths: list[Path], dev: torch.device, dtype: str, max_model_len: i
     keep_blocks = _keep_blocks(gguf, quantize)
     torch_dtype = resolve_dtype(dtype, dev)
     tokenizer, stop_ids = _tokenizer(gguf, chat_template)
+    give_back_free_heap()
     model, spec, limit = build_empty_model(config, dev, torch_dtype, max_model_len)
     load_tensors(model, gguf, config, keep_blocks)
     finish_model(model, dev, torch_dtype, None if keep_blocks or quantize == "none" else quantize)
