@@ -493,3 +493,18 @@ def test_gathering_weights_drops_the_file_pages_they_came_from(tmp_path):
     assert torch.equal(from_file.weight, torch.from_numpy(values).view(1024, 1024))
     assert torch.equal(anon.weight, anon_values)
     assert np.array_equal(mapped, values)   # the file's view reads the file again
+
+
+def test_short_prefill_steps_run_natively_and_long_ones_on_the_torch_path(gguf_llama):
+    """A prompt of up to NATIVE_PREFILL_MAX tokens is prefilled by the native step (the torch path would
+    dequantize every layer for it); a longer one by the torch path, whose matmuls win there."""
+    from pagedchat.engine.core.runner import NATIVE_PREFILL_MAX
+
+    engine = engine_for(gguf_llama["Q8_0"])
+    calls = count_native_steps(engine)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.generate([[5 + i % 200 for i in range(NATIVE_PREFILL_MAX)]], params)
+    assert calls == [NATIVE_PREFILL_MAX, 1]
+    calls.clear()
+    engine.generate([[7 + i % 200 for i in range(NATIVE_PREFILL_MAX + 1)]], params)
+    assert calls == [1]

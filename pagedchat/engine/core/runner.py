@@ -22,6 +22,12 @@ from pagedchat.model.loader import LoadedModel
 
 CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 NATIVE_RETRY_S = 1.0  # how often a runner looks for a native library still being built
+# The longest prefill chunk the native step may take. Its tiles are made for few rows: a GGUF model's prompt of
+# a few dozen tokens runs 3-18x faster there than on the torch path, which dequantizes every layer for the
+# step, but from ~128 tokens the torch path's fp32 matmuls catch up (SmolLM2 Q4_1 / Gemma 3 Q4_K_M, 1 thread,
+# 64 tokens: 0.57 / 0.59 s native, 0.93 / 1.95 s torch; 256 tokens: 2.3 / 2.3 s native, 1.5 / 2.5 s torch).
+# Below it the measured path choice (native/paths.py) still decides; above it prefill stays on the torch path.
+NATIVE_PREFILL_MAX = 64
 log = logging.getLogger("pagedchat.engine")   # with no logging set up, warnings still reach stderr
 
 
@@ -271,12 +277,15 @@ class ModelRunner:
     def _native_fits(self, batch: ScheduledBatch, ids: torch.Tensor, meta: AttentionMetadata,
                      sample_rows: list[int]) -> bool:
         """A step the native step can run whole: decode steps, beams, the verify steps of speculative decoding
-        and prefill chunks (only their sampled rows get logits), where no prompt is scored or pooled (they need
+        and prefill steps of up to NATIVE_PREFILL_MAX tokens (only their sampled rows get logits) whose every token
+        has a slot in every layer group, where no prompt is scored or pooled (they need
         the hidden states) and the attention layers are still on the torch twins (tests put them on the Triton
         kernels to run those end to end)."""
         if self.native is None:
             self._bind_native()
-        return self.native is not None and (len(sample_rows) == ids.shape[0] or _every_slot_held(meta)) \
+        every_row = len(sample_rows) == ids.shape[0]
+        return self.native is not None \
+            and (every_row or ids.shape[0] <= NATIVE_PREFILL_MAX and _every_slot_held(meta)) \
             and all(seq.request.params.prompt_logprobs is None and not seq.request.params.embed
                     for seq, _ in batch.items) \
             and all(layer.backend == "torch" for layer in self.attention_layers)
