@@ -143,3 +143,17 @@ def test_the_search_runs_each_mode_to_its_own_limit_taking_turns(monkeypatch):
     firsts = [base for i, (index, base) in enumerate(order) if i == 0 or order[i - 1][0] != index]
     both = sum(1 for index in {i for i, _ in order} if sum(1 for j, _ in order if j == index) == 2)
     assert firsts[:2] == ["paged", "reserved"] and both >= 3
+
+
+@pytest.mark.parametrize("rate", [1, 16, 256])
+def test_a_searched_rate_offers_a_load_that_lasts(rate):
+    """A rate the search offers lasts search_seconds at least, whatever --requests says (a burst of 60 requests
+    at 512 req/s passed for 'sustained' on both modes); a fixed sweep keeps its count."""
+    from pagedchat.bench.load import Workload
+    from pagedchat.bench.serve import SweepParams, offered_conversations
+
+    w = Workload(requests=60)
+    searched = offered_conversations(w, SweepParams(search_seconds=20), rate, 0, vocab=100)
+    assert len(searched) >= max(60, 20 * rate) * 0.95 and searched[-1].start_s >= 20 * 0.8
+    fixed = offered_conversations(w, SweepParams(rates=(rate,)), rate, 0, vocab=100)
+    assert len(fixed) <= 60 and (rate < 20 or len(fixed) == 60)

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from pagedchat.bench.common import percentile, ratio
@@ -44,6 +44,7 @@ class SweepParams:
     search_from: float = 1.0                         # the search's first rate
     search_to: float = 512.0                         # the highest rate the search offers
     search_steps: int = 3                            # gap halvings once a rate is not sustained
+    search_seconds: float = 20.0                     # arrivals each searched rate offers at least (see _searched)
     modes: tuple[str, ...] = MODES
     pool_blocks: int = 192                           # KV pool of each server, in blocks
     block_size: int = 16
@@ -314,8 +315,17 @@ def _start_servers(model: Path, p: SweepParams, tmp: Path, stack: ExitStack, ser
 def offered_conversations(w: Workload, p: SweepParams, rate: float, index: int, vocab: int):
     """The rate's conversations that arrive within --max-seconds; the first always does (a rate whose first
     arrival falls after the window would otherwise measure nothing)."""
-    conversations = make_conversations(w, rate, vocab, index)
+    conversations = make_conversations(_searched(w, p, rate), rate, vocab, index)
     return conversations[:1] + [c for c in conversations[1:] if c.start_s <= p.max_seconds]
+
+
+def _searched(w: Workload, p: SweepParams, rate: float) -> Workload:
+    """A searched rate offers at least search_seconds of arrivals. Why: with a fixed count (--requests 60) a high
+    rate is one burst that any server answers within the TTFT target once, and the search then "sustained"
+    512 req/s on both modes; a rate is sustained only if a server keeps up with it for a while."""
+    if p.rates:
+        return w
+    return replace(w, requests=max(w.requests, math.ceil(rate * min(p.search_seconds, p.max_seconds))))
 
 
 def _offered(w: Workload, p: SweepParams, rate: float, index: int, vocab: int) -> int:
