@@ -348,13 +348,18 @@ def gather_weights(modules: list[nn.Module]) -> mmap.mmap | None:
 
 
 def _file_mappings() -> list[tuple[int, int]]:
-    """(start, end) of this process's file-backed mappings (a GGUF file's weights are views of one)."""
+    """(start, end) of this process's mappings of regular files (a GGUF file's weights are views of one). Not
+    /dev/zero, memfd or deleted files: dropping a private mapping's pages there would lose them."""
+    import os
+
     spans = []
     try:
         with open("/proc/self/maps") as f:
             for line in f:
-                fields = line.split()
-                if len(fields) >= 6 and fields[4] != "0" and fields[5].startswith("/"):
+                fields = line.split(maxsplit=5)
+                path = fields[5].rstrip("\n") if len(fields) == 6 else ""
+                if fields[4:5] != ["0"] and path.startswith("/") and not path.startswith("/dev/") \
+                        and os.path.isfile(path):
                     start, end = (int(x, 16) for x in fields[0].split("-"))
                     spans.append((start, end))
     except OSError:
