@@ -277,10 +277,10 @@ class ModelRunner:
     def _native_fits(self, batch: ScheduledBatch, ids: torch.Tensor, meta: AttentionMetadata,
                      sample_rows: list[int]) -> bool:
         """A step the native step can run whole: decode steps, beams, the verify steps of speculative decoding
-        and prefill steps of up to NATIVE_PREFILL_MAX tokens (only their sampled rows get logits) whose every token
-        has a slot in every layer group, where no prompt is scored or pooled (they need
-        the hidden states) and the attention layers are still on the torch twins (tests put them on the Triton
-        kernels to run those end to end)."""
+        and prefill steps of up to NATIVE_PREFILL_MAX tokens (only their sampled rows get logits) whose every
+        token has a slot in every layer group; where no prompt is scored or pooled (they need the hidden
+        states) and the attention layers are still on the torch twins (tests put them on the Triton kernels to
+        run those end to end)."""
         if self.native is None:
             self._bind_native()
         every_row = len(sample_rows) == ids.shape[0]
