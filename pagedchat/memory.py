@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 
 
@@ -18,16 +20,25 @@ def available_ram() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def libc() -> ctypes.CDLL | None:
+    """The C library (madvise, malloc_trim), loaded once; None where it cannot be."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        except OSError:
+            return None
+    return _LIBC
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
 def give_back_free_heap() -> None:
     """Return the C heap's free memory to the system (glibc's malloc_trim; elsewhere nothing). Why: building a
     large vocabulary (Gemma 3's 262k tokens and their merges) frees tens of MB of temporaries that glibc
     keeps for reuse, and the big allocations that follow (the weight arena, the KV pool) are mapped apart
     from the heap, so that memory would stay resident for the life of the process (63 MB there)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)

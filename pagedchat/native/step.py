@@ -23,6 +23,7 @@ from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
 import torch
 from torch import nn
 
+from pagedchat.memory import libc
 from pagedchat.native import build
 from pagedchat.native.paths import PathChoice
 
@@ -376,17 +377,11 @@ def _drop_file_pages(addr: int, nbytes: int, mapped: list[tuple[int, int]]) -> N
     first, last = -(-addr // page) * page, (addr + nbytes) // page * page
     if last <= first or not any(s <= first and last <= e for s, e in mapped):
         return
-    _libc().madvise(c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+    c = libc()
+    if c is not None:
+        c.madvise(c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
 
 
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-    return _LIBC
-
-
-_LIBC = None
 MADV_DONTNEED = 4  # Linux
 COPY_SLICE = 4 << 20   # bytes gather_weights copies (and drops the file pages of) at a time
 
