@@ -6,6 +6,12 @@ from pathlib import Path
 # (pagedchat/threads.py); in a test process spinning threads steal the cores of the servers and CLI
 # subprocesses the tests start, and of anything else running on the machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Which path a CPU step takes (native or torch) is otherwise measured, so it would depend on timing and on which
+# tests ran first (the decisions are shared by the session's build folder); the two paths sum in different
+# orders (and the native step multiplies GGUF blocks with 8-bit activations), so a test's tokens could change
+# with how busy the machine is. The tests take the native step wherever it applies, as the measurement picks for
+# their tiny models; a test that needs the torch path, or the measurement itself, says so.
+os.environ.setdefault("PAGEDCHAT_NATIVE", "always")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

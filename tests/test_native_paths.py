@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedchat.native.paths import PathChoice, group_of
+
+
+@pytest.fixture(autouse=True)
+def measured(monkeypatch):
+    """The measurement itself (tests/conftest.py makes every other test take the native step)."""
+    monkeypatch.delenv("PAGEDCHAT_NATIVE", raising=False)
 
 
 def drive(choice: PathChoice, cost: dict[str, float], steps: int, tokens: int = 16, seqs: int = 16) -> list[str]:
