@@ -141,3 +141,23 @@ def test_gemma3_keeps_its_blocks_for_the_native_step(gguf_model, caplog):
         eng = engine(path, quantize=None)
     assert eng.runner.native is not None and "dequantized" not in caplog.text
     assert isinstance(eng.loaded.model.lm_head, GGUFLinear)   # the embedding's blocks, as the file has them
+
+
+def test_the_torch_path_dequantizes_with_the_native_library(gguf_model, monkeypatch):
+    """Once the library is loaded, steps on the torch path dequantize GGUF layers with it (bit for bit the torch
+    functions' weights: tests/test_gguf_quants.py), and the tokens stay the oracle's."""
+    from pagedchat.model.gguf import quants
+    from pagedchat.native import build
+
+    if build.load(wait=True) is None:
+        pytest.skip("no native build here (no C compiler?)")
+    monkeypatch.setattr(quants, "_fast", None)
+    path, oracle = gguf_model("gemma3", "Q8_0")
+    eng = engine(path, quantize=None)
+    assert quants._fast is not None
+    eng.runner.native = eng.runner._native_next_try = None   # every step on the torch path
+    calls = []
+    fast = quants._fast
+    monkeypatch.setattr(quants, "_fast", lambda *a: calls.append(a[1]) or fast(*a))
+    check_alone_batched_and_variants(eng, oracle)
+    assert calls

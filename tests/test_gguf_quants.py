@@ -1,5 +1,6 @@
-"""GGUF block formats dequantized in torch (pagedchat/model/gguf/quants.py) against gguf-py's numpy reference,
-bit for bit, and GGUFLinear against F.linear with the reference weight."""
+"""GGUF block formats dequantized in torch (pagedchat/model/gguf/quants.py) and by the native library
+(pagedchat/native/dequantize.py) against gguf-py's numpy reference, bit for bit, and GGUFLinear against F.linear
+with the reference weight."""
 
 from __future__ import annotations
 
@@ -58,6 +59,21 @@ def _quantized_rows(qtype: T, rows: int, width: int, seed: int = 0) -> np.ndarra
     return reference.quantize(data, qtype).view(np.uint8).reshape(rows, -1)
 
 
+@pytest.fixture(params=["torch", "native"])
+def dequantizer(request, monkeypatch):
+    """Which dequantizer quants.dequantize uses: its torch functions, or the native library's (installed by the
+    runner once the library is loaded, so a test that only said nothing would depend on what ran before it)."""
+    monkeypatch.setattr(quants, "_fast", None)   # (and put back whatever was installed, after the test)
+    if request.param == "native":
+        from pagedchat.native import build, dequantize as native_dequantize
+
+        lib = build.load(wait=True)
+        if lib is None:
+            pytest.skip(f"no native library here: {build.status()}")
+        native_dequantize.install(lib)
+    return request.param
+
+
 def _assert_bit_identical(raw: np.ndarray, qtype: int, got: torch.Tensor) -> None:
     want = reference.dequantize(raw, qtype).reshape(got.shape)
     assert got.dtype == torch.float32
@@ -66,7 +82,7 @@ def _assert_bit_identical(raw: np.ndarray, qtype: int, got: torch.Tensor) -> Non
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_random_blocks_match_gguf_py(qtype, shape):
+def test_random_blocks_match_gguf_py(qtype, shape, dequantizer):
     raw = _random_rows(qtype, *shape)
     got = dequantize(torch.from_numpy(raw), qtype)
     assert got.shape == shape
@@ -74,13 +90,13 @@ def test_random_blocks_match_gguf_py(qtype, shape):
 
 
 @pytest.mark.parametrize("qtype", QUANTIZABLE, ids=lambda t: t.name)
-def test_quantized_weights_match_gguf_py(qtype):
+def test_quantized_weights_match_gguf_py(qtype, dequantizer):
     raw = _quantized_rows(qtype, 7, 512)
     _assert_bit_identical(raw, qtype, dequantize(torch.from_numpy(raw), qtype))
 
 
 @pytest.mark.parametrize("qtype", [T.F16, T.Q4_0, T.Q5_1, T.Q3_K, T.Q6_K], ids=lambda t: t.name)
-def test_chunks_cover_the_tensor(qtype, monkeypatch):
+def test_chunks_cover_the_tensor(qtype, monkeypatch, dequantizer):
     """Steps of 3 blocks (1 for the 256-value K blocks): steps that split rows and a ragged last step."""
     monkeypatch.setattr(quants, "CHUNK_VALUES", 96)
     raw = _random_rows(qtype, 5, 768, seed=1)
@@ -153,7 +169,7 @@ def test_cuda_matches_gguf_py(qtype):
 
 # -- the real files -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
-def test_real_file_tensors_match_gguf_py(name):
+def test_real_file_tensors_match_gguf_py(name, dequantizer):
     """Every type in each real file, a few tensors each (the file read by pagedchat's own reader: gguf-py's
     takes up to 40 s to parse Gemma's vocabulary)."""
     from pagedchat.model.gguf.reader import open_gguf

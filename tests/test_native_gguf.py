@@ -1,9 +1,11 @@
-"""The native decode step on GGUF block formats: decode.c reads a GGUFLinear's parts in the file's own layout
-(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K; a layer's parts may each be another type).
+"""The native decode step on GGUF formats: decode.c reads a GGUFLinear's parts in the file's own layout
+(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16; a layer's parts may each be another
+type).
 
 The oracle is the native int8/int4 layers' (tests/test_native_decode.py): a torch twin that quantizes the input
 the same way (blocks of 32, scale max|x| / 127, round half to even), takes each block's dot product with the
-weights exactly, scales by the block's scale and sums. The weights are gguf-py's own dequantization, so the twin
+weights exactly, scales by the block's scale and sums; for F16 and BF16 parts, which meet the fp32 input as it is
+(decode.c tile_f16), the exact product with it. The weights are gguf-py's own dequantization, so the twin
 checks the layout, not decode.c against itself. Each build the CI machines can take runs: this machine's
 (AVX-512 here), AVX2 without VNNI (-march=haswell: the AMD EPYC CI machines' path) and the portable fallback.
 """
@@ -29,8 +31,9 @@ from pagedchat.native import build
 
 pytestmark = pytest.mark.skipif(build.load(wait=True) is None, reason="no native build here (no C compiler?)")
 
-NATIVE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
-K_QUANTS = (T.Q4_K, T.Q5_K, T.Q6_K)   # gguf-py cannot quantize these: random blocks with small finite scales
+NATIVE_TYPES = [T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.F16, T.BF16]
+K_QUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)   # gguf-py cannot quantize these: random blocks, small scales
+FLOAT_TYPES = (T.F16, T.BF16)   # no input quantization: the twin multiplies the fp32 input
 
 
 def _has_avx2() -> bool:
@@ -91,12 +94,17 @@ def reference_weight(layer: GGUFLinear) -> torch.Tensor:
 
 def twin(layer: GGUFLinear, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
     """layer(x) as the native step computes it: x quantized per block, each block's product with the weights
-    exact (float64), scaled by the block's scale, summed over blocks; then the bias."""
+    exact (float64), scaled by the block's scale, summed over blocks; a layer of float parts takes x as it is
+    (its exact product with the weights); then the bias."""
     rows = x.reshape(-1, layer.in_features)
-    q, d = quantize_input(rows)
     weight = reference_weight(layer) if weight is None else weight
-    dots = torch.einsum("nkj,okj->nok", q.double(), weight.view(layer.out_features, -1, 32))
-    out = (dots * d.double()[:, None, :]).sum(-1).float().view(*x.shape[:-1], layer.out_features)
+    if all(qtype in FLOAT_TYPES for qtype in layer.qtypes):
+        out = (rows.double() @ weight.T).float()
+    else:
+        q, d = quantize_input(rows)
+        dots = torch.einsum("nkj,okj->nok", q.double(), weight.view(layer.out_features, -1, 32))
+        out = (dots * d.double()[:, None, :]).sum(-1).float()
+    out = out.view(*x.shape[:-1], layer.out_features)
     return out if layer.bias is None else out + layer.bias
 
 
@@ -117,10 +125,17 @@ def native_arithmetic(model) -> None:
 def raw_rows(qtype: T, rows: int, width: int, rng) -> torch.Tensor:
     """uint8 [rows, row_bytes]: gguf-py quantizing random weights, or random K-quant blocks."""
     if qtype in K_QUANTS:
-        data = random_blocks((rows, width), qtype, rng)
-    else:
-        data = gguf.quants.quantize(rng.standard_normal((rows, width)).astype(np.float32), qtype)
-    return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(rows, -1))
+        return as_raw(random_blocks((rows, width), qtype, rng))
+    return encoded(rng.standard_normal((rows, width)).astype(np.float32), qtype)
+
+
+def encoded(values: np.ndarray, qtype: T) -> torch.Tensor:
+    """float32 [rows, width] as gguf-py writes it in `qtype`: uint8 [rows, row_bytes]."""
+    return as_raw(gguf.quants.quantize(values, qtype))
+
+
+def as_raw(data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1))
 
 
 def awkward_inputs(batch: int, width: int, g: torch.Generator) -> torch.Tensor:
@@ -170,7 +185,8 @@ def test_q8_0_weights_of_minus_128(lib):
 
 
 @with_builds
-@pytest.mark.parametrize("types_", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q4_0, T.Q5_0), (T.Q5_1, T.Q4_1, T.Q5_K)],
+@pytest.mark.parametrize("types_", [(T.Q4_K, T.Q4_K, T.Q6_K), (T.Q8_0, T.Q4_0, T.Q5_0), (T.Q5_1, T.Q4_1, T.Q5_K),
+                                    (T.Q3_K, T.Q2_K, T.Q6_K), (T.F16, T.BF16, T.F16)],
                          ids=lambda ts: "+".join(t.name for t in ts))
 def test_a_layer_of_several_formats(lib, types_):
     """q, k and v (or gate and up) each in its own type, of 37, 13 and 22 rows: tiles across the parts'
@@ -182,17 +198,18 @@ def test_a_layer_of_several_formats(lib, types_):
 
 
 def test_unsupported_parts_keep_the_torch_path():
-    """A part in a type decode.c does not read (F16, Q2_K), a width that is not whole blocks of 32 (a float
-    part's), or a half-precision bias: no native layer, so the model stays on the torch path."""
+    """A part in a type decode.c does not read (F32), F16 parts beside block-format ones (the two kinds take the
+    input in different forms), a width that is not whole blocks of 32 (a float part's), or a half-precision
+    bias: no native layer, so the model stays on the torch path."""
     from pagedchat.native.step import _linear
 
     rng = np.random.default_rng(0)
     q8 = (raw_rows(T.Q8_0, 8, 64, rng), int(T.Q8_0))
-    f16 = (torch.randn(8, 64).half().view(torch.uint8), int(T.F16))
-    q2k = (torch.from_numpy(random_blocks((8, 256), T.Q2_K, rng).view(np.uint8).reshape(8, -1)), int(T.Q2_K))
+    f16 = (raw_rows(T.F16, 8, 64, rng), int(T.F16))
     assert _linear(GGUFLinear([q8], 64)) is not None
+    assert _linear(GGUFLinear([f16], 64)) is not None
     assert _linear(GGUFLinear([q8, f16], 64)) is None
-    assert _linear(GGUFLinear([q2k], 256)) is None
+    assert _linear(GGUFLinear([(torch.randn(8, 64).view(torch.uint8), int(T.F32))], 64)) is None
     assert _linear(GGUFLinear([(torch.randn(8, 48).view(torch.uint8), int(T.F32))], 48)) is None
     assert _linear(GGUFLinear([q8], 64, torch.randn(8).half())) is None
 
@@ -212,14 +229,15 @@ def hf_with_random_norms(arch: str, root: Path, low: float):
 
 @pytest.fixture(scope="module")
 def gguf_llama(tmp_path_factory):
-    """A small llama (rows of whole K-quant super-blocks) as a GGUF file per type: path by type name. Its norm
-    weights are random: with the default ones, each block of the first layer's input is a multiple of a few
-    small integers (a dequantized embedding row), values sit exactly on half steps of the input quantization,
-    and the last bit of the RMS norm (the two paths sum in another order) decides their rounding."""
+    """A small llama (rows of whole K-quant super-blocks) as a GGUF file per block format: path by type name
+    (runner_in makes the float types' models). Its norm weights are random: with the default ones, each block of
+    the first layer's input is a multiple of a few small integers (a dequantized embedding row), values sit
+    exactly on half steps of the input quantization, and the last bit of the RMS norm (the two paths sum in
+    another order) decides their rounding."""
     root = tmp_path_factory.mktemp("gguf-llama")
     hf = hf_with_random_norms("llama", root, 0.5)
     files = {}
-    for qtype in NATIVE_TYPES:
+    for qtype in (t for t in NATIVE_TYPES if t not in FLOAT_TYPES):
         files[qtype.name] = root / f"llama-{qtype.name}.gguf"
         write_gguf(hf, root / "hf", files[qtype.name], "llama", qtype.name)
     return files
@@ -235,6 +253,24 @@ def native_always(monkeypatch):
 def engine_for(path, **kwargs) -> Engine:
     return Engine(EngineConfig(model=str(path), device="cpu", dtype="float32", **{"num_blocks": 128, **kwargs}),
                   show_progress=False)
+
+
+def runner_in(files, qtype: T, **kwargs):
+    """An engine's runner whose GGUF layers are in `qtype`. A file whose matrices are all F16 or BF16 loads them
+    dense (nothing quantized to keep: pagedchat/model/gguf/load.py), so a float type's layers are the Q8_0
+    model's rounded to it (its embedding stays in Q8_0 blocks), and the native step is bound again."""
+    from pagedchat.native.step import NativeDecode
+
+    runner = engine_for(files[qtype.name if qtype not in FLOAT_TYPES else "Q8_0"], **kwargs).runner
+    if qtype in FLOAT_TYPES:
+        for name, old in list(runner.model.named_modules()):
+            if isinstance(old, GGUFLinear):
+                weight = old.dequantized(torch.float32).numpy()
+                owner, _, attr = name.rpartition(".")
+                setattr(runner.model.get_submodule(owner), attr,
+                        GGUFLinear([(encoded(weight, qtype), int(qtype))], old.in_features, old.bias))
+        runner.native = NativeDecode.bind(runner.model, runner.k_caches, runner.v_caches, runner.block_size)
+    return runner
 
 
 def test_gguf_parts_move_into_the_weight_arena(gguf_llama):
@@ -257,8 +293,9 @@ def test_native_gguf_step_computes_the_twin_step(gguf_llama, qtype, threads):
     on a half step may round the other way, as for the native int8 layers)."""
     from test_native_decode import both_steps
 
-    runner = engine_for(gguf_llama[qtype.name], block_size=8).runner
+    runner = runner_in(gguf_llama, qtype, block_size=8)
     assert runner.native is not None, f"{qtype.name} should bind the native step"
+    assert {t for m in runner.model.modules() if isinstance(m, GGUFLinear) for t in m.qtypes} == {int(qtype)}
     native_arithmetic(runner.model)
     steps = [([1], None), ([37], None), ([5, 17, 2, 30, 9], None), ([20, 7, 33], [3, 1, 8])]  # (the last: verify)
     for seed, (lens, new) in enumerate(steps):

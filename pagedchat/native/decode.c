@@ -9,9 +9,9 @@
  * path's, in fp32, in another summation order (as one GEMM shape already differs from another).
  *
  * Linear layers keep the checkpoint's [out, in] layout: fp32, int8 with one fp32 scale per output row
- * (pagedchat/model/quantize.py), int4 in groups of 32 (pagedchat/model/int4.py), or a GGUF file's block formats
- * as the file stores them (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: pagedchat/model/gguf; see "GGUF
- * block formats" below). A tile of rows x sequences
+ * (pagedchat/model/quantize.py), int4 in groups of 32 (pagedchat/model/int4.py), or a GGUF file's formats as
+ * the file stores them (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: pagedchat/model/gguf; see
+ * "GGUF block formats" below; F16 and BF16: see tile_f16). A tile of rows x sequences
  * shares every load: at batch 1 the weights stream once at the memory-bandwidth floor; at batch 16 each weight
  * load feeds several sequences. The pool holds fp32 K/V, or int8 with one float16 scale per (slot, kv head)
  * (kernels/kv_quant.py), written here exactly as quantize_kv writes them.
@@ -40,8 +40,8 @@
 
 /* A GGUF format is FMT_GGML + its ggml type number (pagedchat/model/gguf/reader.py GGMLType). */
 enum { FMT_F32 = 0, FMT_I8 = 1, FMT_I4 = 2, FMT_GGML = 100 };
-enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q4_K = 12, GGML_Q5_K = 13,
-       GGML_Q6_K = 14 };
+enum { GGML_F16 = 1, GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8, GGML_Q2_K = 10,
+       GGML_Q3_K = 11, GGML_Q4_K = 12, GGML_Q5_K = 13, GGML_Q6_K = 14, GGML_BF16 = 30 };
 
 typedef struct Linear {
     const void *weight;    /* [out, in] float or int8; int4: [out, in / 2] packed bytes; GGUF: the file's rows */
@@ -358,6 +358,43 @@ static float f16_to_f32(uint16_t h) {
 }
 #endif
 
+/* ---- F16 and BF16 weights: a GGUF file's float parts ------------------------------------------------------
+ * Widened to fp32 in registers and multiplied with the fp32 input: tile_f32's arithmetic on half its weight
+ * bytes, as tile_i8 reads int8. Not the block formats' 8-bit input: a file keeps a tensor in F16 or BF16 for its
+ * accuracy, and rounding the input to 8 bits a block would add the error Q8_0 has. Nor llama.cpp's float16
+ * input (its F16 dot products round the input to float16 first): widening is exact, so these layers compute
+ * what the torch path does (GGUFLinear dequantizes F16 and BF16 exactly and multiplies in fp32), in another
+ * summation order, and the tests' torch twin is the torch path itself. At batch 1 the step streams the
+ * weights, whose 2 bytes a value are the same either way. */
+INLINE float bf16_to_f32(uint16_t h) {
+    const uint32_t x = (uint32_t)h << 16;  /* bfloat16 is a float32's top half */
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+#if X86_512
+INLINE vf loadh(const uint16_t *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+INLINE vf loadbf(const uint16_t *p) {
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+}
+#elif X86_256 && defined(__F16C__)
+INLINE vf loadh(const uint16_t *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+INLINE vf loadbf(const uint16_t *p) {
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+}
+#else
+#define LOAD_EACH(NAME, SCALAR)                                                                              \
+    INLINE vf NAME(const uint16_t *p) {                                                                     \
+        vf v;                                                                                               \
+        for (int i = 0; i < VW; i++) v[i] = SCALAR(p[i]);                                                   \
+        return v;                                                                                           \
+    }
+LOAD_EACH(loadh, f16_to_f32)
+LOAD_EACH(loadbf, bf16_to_f32)
+#endif
+TILE(tile_f16, uint16_t, loadh, f16_to_f32)
+TILE(tile_bf16, uint16_t, loadbf, bf16_to_f32)
+
 /* ---- int8 weights: integer dot products -----------------------------------------------------------------
  * An int8 layer's input is quantized too, per block of 32 values of a row: d = max|x| / 127, q = round(x / d)
  * (ties to even). A block's dot product with a weight row is then exact in int32, scaled by d, summed in fp32
@@ -467,13 +504,20 @@ INLINE void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     }
 }
 
-/* Block k (values 32k .. 32k + 31) of a GGUF row as value i = s[i / 16] * q[i] + *m: the AVX2 unpackers' fields
- * (wb_q8_0 and the rest say each layout), one value at a time: the portable tiles and the embedding lookup. */
-static void ggml_block(int64_t type, const uint8_t *row, int64_t k, int8_t q[QBLOCK], float s[2], float *m) {
+/* Q3_K's 6-bit scale of sub-block j (0-15) from its 12 packed bytes, less its offset of 32: the low 4 bits are
+ * byte j % 8's low (j < 8) or high nibble, the top 2 bits field j / 4 of byte 8 + j % 4. */
+INLINE int q3_k_scale(const uint8_t *s, int j) {
+    return (((s[j % 8] >> (4 * (j / 8))) & 0x0f) | ((s[8 + j % 4] >> (2 * (j / 4))) & 3) << 4) - 32;
+}
+
+/* Block k (values 32k .. 32k + 31) of a GGUF row as value i = s[i / 16] * q[i] + m[i / 16]: the AVX2 unpackers'
+ * fields (wb_q8_0 and the rest say each layout), one value at a time: the portable tiles and the embedding
+ * lookup. */
+static void ggml_block(int64_t type, const uint8_t *row, int64_t k, int8_t q[QBLOCK], float s[2], float m[2]) {
     const uint8_t *b;
     uint32_t high = 0;
     int j = (int)(k % 8), sc = 0, mn = 0;
-    *m = s[0] = s[1] = 0.f;  /* (a type the Python side never binds: zeros) */
+    m[0] = m[1] = s[0] = s[1] = 0.f;  /* (a type the Python side never binds: zeros) */
     switch (type) {
     case GGML_Q8_0:
         b = row + k * 34;
@@ -492,7 +536,23 @@ static void ggml_block(int64_t type, const uint8_t *row, int64_t k, int8_t q[QBL
             q[i] = (int8_t)(v - offset);
         }
         s[0] = s[1] = f16_at(b);
-        if (has_min) *m = f16_at(b + 2);
+        if (has_min) m[0] = m[1] = f16_at(b + 2);
+        return;
+    }
+    case GGML_Q2_K: {
+        b = row + k / 8 * 84;
+        for (int i = 0; i < QBLOCK; i++) q[i] = (int8_t)((b[16 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3);
+        for (int h = 0; h < 2; h++) {
+            s[h] = f16_at(b + 80) * (float)(b[2 * j + h] & 0x0f);
+            m[h] = -(f16_at(b + 82) * (float)(b[2 * j + h] >> 4));
+        }
+        return;
+    }
+    case GGML_Q3_K: {
+        b = row + k / 8 * 110;
+        for (int i = 0; i < QBLOCK; i++)
+            q[i] = (int8_t)((((b[32 + 32 * (j / 4) + i] >> (2 * (j % 4))) & 3) | ((b[i] >> j) & 1) << 2) - 4);
+        for (int h = 0; h < 2; h++) s[h] = f16_at(b + 108) * (float)q3_k_scale(b + 96, 2 * j + h);
         return;
     }
     case GGML_Q4_K: case GGML_Q5_K: {
@@ -503,7 +563,7 @@ static void ggml_block(int64_t type, const uint8_t *row, int64_t k, int8_t q[QBL
         for (int i = 0; i < QBLOCK; i++)
             q[i] = (int8_t)(((nib[i] >> (4 * (j & 1))) & 0x0f) | (five ? ((b[16 + i] >> j) & 1) << 4 : 0));
         s[0] = s[1] = f16_at(b) * (float)sc;
-        *m = -(f16_at(b + 2) * (float)mn);
+        m[0] = m[1] = -(f16_at(b + 2) * (float)mn);
         return;
     }
     case GGML_Q6_K: {
@@ -707,14 +767,15 @@ INLINE void tile_q4p(const uint8_t *w, const uint16_t *ws, const Input *in_, int
  * Read in the file's layout, nothing repacked: each block of 32 weights (a K-quant's sub-block, or two of Q6_K's
  * 16-value ones) is unpacked in registers to 32 integers q and a scale s per lane of dot_u8i8 (lanes 0-3 hold
  * values 0-15, lanes 4-7 values 16-31), and meets the input's block as tile_q8 and tile_q4 meet theirs: value =
- * s * (q - offset) + m. Signed q (Q8_0, Q6_K) go through the sign trick with the weight on the unsigned side, as
- * llama.cpp does, |w| . (x * sign(w)): a Q8_0 block may hold -128, whose |w| = 128 fits a byte (and 2 x 128 x 127
- * an int16), while x never is -128 (quantize_block's range is +-127). Unsigned q take offset x the input block's
- * sum off the exact dot product (tile_q4's way); a min m adds m x dx x sum, an eighth in each lane. */
+ * s * (q - offset) + m. Signed q (Q8_0, Q3_K, Q6_K) go through the sign trick with the weight on the unsigned
+ * side, as llama.cpp does, |w| . (x * sign(w)): a Q8_0 block may hold -128, whose |w| = 128 fits a byte (and
+ * 2 x 128 x 127 an int16), while x never is -128 (quantize_block's range is +-127). Unsigned q take offset x the
+ * input block's sum off the exact dot product (tile_q4's way); a min m adds m x dx x sum, an eighth in each
+ * lane, or (Q2_K, a min per 16 values) each lane's m x dx x that lane's own sum. */
 typedef struct {
     __m256i q;  /* 32 weights: unsigned, or signed (WSIGNED formats) */
     __m256 s;   /* their scale, per lane of dot_u8i8's result */
-    float m;    /* added to every value (Q4_1, Q5_1 and the K-quants' mins; else 0) */
+    __m256 m;   /* added to every value, per lane as s (Q4_1, Q5_1 and the K-quants' mins; else 0) */
 } WBlock;
 
 /* 16 bytes of nibbles in value order: byte j's low nibble is value j, its high nibble value j + 16. */
@@ -740,24 +801,24 @@ INLINE __m256i shift_right16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_
 /* Block k (values 32k .. 32k + 31) of one row in each format. */
 INLINE WBlock wb_q8_0(const uint8_t *row, int64_t k) {  /* d | 32 int8 */
     const uint8_t *b = row + k * 34;
-    const WBlock w = {_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_ps(f16_at(b)), 0.f};
+    const WBlock w = {_mm256_loadu_si256((const __m256i *)(b + 2)), _mm256_set1_ps(f16_at(b)), _mm256_setzero_ps()};
     return w;
 }
 INLINE WBlock wb_q4_0(const uint8_t *row, int64_t k) {  /* d | 16 bytes of nibbles; value d * (q - 8) */
     const uint8_t *b = row + k * 18;
-    const WBlock w = {nibbles32(b + 2), _mm256_set1_ps(f16_at(b)), 0.f};
+    const WBlock w = {nibbles32(b + 2), _mm256_set1_ps(f16_at(b)), _mm256_setzero_ps()};
     return w;
 }
-/* d and m, side by side at p: d in every lane, and m */
-INLINE __m256 d_and_m(const uint8_t *p, float *m) {
+/* d and m, side by side at p: each in every lane */
+INLINE __m256 d_and_m(const uint8_t *p, __m256 *m) {
 #if defined(__F16C__)
     int32_t both;
     memcpy(&both, p, 4);
     const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(both));  /* one conversion for the two */
-    *m = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    *m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
     return _mm256_broadcastss_ps(dm);
 #else
-    *m = f16_at(p + 2);
+    *m = _mm256_set1_ps(f16_at(p + 2));
     return _mm256_set1_ps(f16_at(p));
 #endif
 }
@@ -770,7 +831,8 @@ INLINE WBlock wb_q4_1(const uint8_t *row, int64_t k) {  /* d, m | nibbles; value
 }
 INLINE WBlock wb_q5_0(const uint8_t *row, int64_t k) {  /* d | fifth bits | nibbles; value d * (q - 16) */
     const uint8_t *b = row + k * 22;
-    const WBlock w = {_mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2)), _mm256_set1_ps(f16_at(b)), 0.f};
+    const WBlock w = {_mm256_or_si256(nibbles32(b + 6), fifth_bits32(b + 2)), _mm256_set1_ps(f16_at(b)),
+                      _mm256_setzero_ps()};
     return w;
 }
 INLINE WBlock wb_q5_1(const uint8_t *row, int64_t k) {  /* d, m | fifth bits | nibbles; value d * q + m */
@@ -782,8 +844,8 @@ INLINE WBlock wb_q5_1(const uint8_t *row, int64_t k) {  /* d, m | fifth bits | n
 }
 /* A K-quant super-block's sub-block scales (and mins) for one row, decoded once for its 8 blocks of 32. */
 typedef struct {
-    float s[16];  /* Q4_K, Q5_K: d * sc per sub-block of 32; Q6_K: d * sc per sub-block of 16 */
-    float m[8];   /* Q4_K, Q5_K: -dmin * m per sub-block */
+    float s[16];  /* Q4_K, Q5_K: d * sc per sub-block of 32; Q2_K, Q3_K, Q6_K: d * sc per sub-block of 16 */
+    float m[16];  /* Q4_K, Q5_K: -dmin * m per sub-block (of 32); Q2_K: per sub-block of 16 */
 } KScales;
 
 INLINE void no_prep(const uint8_t *block, KScales *ks) { (void)block, (void)ks; }
@@ -803,12 +865,43 @@ INLINE void prep_q4_k(const uint8_t *b, KScales *ks) {
     _mm256_storeu_ps(ks->s, _mm256_mul_ps(sc8, d));
     _mm256_storeu_ps(ks->m, _mm256_mul_ps(mn8, minus_dmin));
 }
+/* out[i] = d * the int8 bytes[i], 16 sub-blocks' scales (or mins) */
+INLINE void scales16(__m128i bytes, float d, float *out) {
+    const __m256 dv = _mm256_set1_ps(d);
+    for (int h = 0; h < 2; h++, bytes = _mm_srli_si128(bytes, 8))
+        _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), dv));
+}
 /* Q6_K: 16 int8 scales at 192, d at 208 */
 INLINE void prep_q6_k(const uint8_t *b, KScales *ks) {
-    const __m256 d = _mm256_set1_ps(f16_at(b + 208));
-    for (int h = 0; h < 2; h++)
-        _mm256_storeu_ps(ks->s + 8 * h, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                          _mm_loadl_epi64((const __m128i *)(b + 192 + 8 * h)))), d));
+    scales16(_mm_loadu_si128((const __m128i *)(b + 192)), f16_at(b + 208), ks->s);
+}
+/* Q2_K: 16 bytes, a sub-block's scale in the low nibble and its min in the high one | ... | d, dmin at 80 */
+INLINE void prep_q2_k(const uint8_t *b, KScales *ks) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)b), low = _mm_set1_epi8(0x0f);
+    scales16(_mm_and_si128(bytes, low), f16_at(b + 80), ks->s);
+    scales16(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), -f16_at(b + 82), ks->m);
+}
+/* Q3_K: 12 bytes of 6-bit scales at 96 (q3_k_scale's layout), d at 108, decoded 8 scales to a 64-bit word:
+ * scales 0-7 are the low nibbles of bytes 0-7, 8-15 their high nibbles, each below 2 bits of bytes 8-11
+ * (fields 0 and 1 for scales 0-7, 2 and 3 for 8-15); each less 32. Built in registers: as four 4-byte stores
+ * read back in one 16-byte load they missed store forwarding (a 2048 x 2048 layer at batch 1, one thread,
+ * AVX-512: 0.48 ms against 0.36). */
+INLINE void prep_q3_k(const uint8_t *b, KScales *ks) {
+    uint64_t low;
+    uint32_t top;
+    memcpy(&low, b + 96, 8);
+    memcpy(&top, b + 104, 4);
+    const uint64_t nib = 0x0f0f0f0f0f0f0f0full, two = 0x0303030303030303ull;
+    const uint64_t top01 = top | (uint64_t)(top >> 2) << 32, top23 = (top >> 4) | (uint64_t)(top >> 6) << 32;
+    const __m128i bytes = _mm_set_epi64x((int64_t)(((low >> 4) & nib) | (top23 & two) << 4),
+                                         (int64_t)((low & nib) | (top01 & two) << 4));
+    scales16(_mm_sub_epi8(bytes, _mm_set1_epi8(32)), f16_at(b + 108), ks->s);
+}
+
+/* pair[0] in lanes 0-3 (values 0-15), pair[1] in lanes 4-7: a block's two sub-blocks of 16 */
+INLINE __m256 per_half(const float *pair) {
+    const __m128 both = _mm_castpd_ps(_mm_load_sd((const double *)pair));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(both), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
 /* Q4_K: d, dmin | scales | 128 bytes: a run of 32 bytes holds sub-block 2i in its low nibbles and 2i + 1 in its
@@ -817,7 +910,7 @@ INLINE WBlock wb_q4_k(const uint8_t *row, int64_t k, const KScales *ks) {
     const int j = (int)(k % 8);
     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + k / 8 * 144 + 16 + 32 * (j / 2)));
     const WBlock w = {_mm256_and_si256(shift_right16(bytes, 4 * (j & 1)), _mm256_set1_epi8(0x0f)),
-                      _mm256_set1_ps(ks->s[j]), ks->m[j]};
+                      _mm256_set1_ps(ks->s[j]), _mm256_set1_ps(ks->m[j])};
     return w;
 }
 /* Q5_K: as Q4_K, with 32 bytes of fifth bits (bit j of byte i: value i of sub-block j) before the nibbles. */
@@ -828,7 +921,8 @@ INLINE WBlock wb_q5_k(const uint8_t *row, int64_t k, const KScales *ks) {
                                                        4 * (j & 1)), _mm256_set1_epi8(0x0f));
     const __m256i high = _mm256_and_si256(shift_right16(_mm256_loadu_si256((const __m256i *)(b + 16)), j),
                                           _mm256_set1_epi8(0x01));
-    const WBlock w = {_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_ps(ks->s[j]), ks->m[j]};
+    const WBlock w = {_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_ps(ks->s[j]),
+                      _mm256_set1_ps(ks->m[j])};
     return w;
 }
 /* Q6_K: 128 bytes of low nibbles | 64 of high 2 bits | 16 int8 scales | d. Each half of the block (128 values):
@@ -842,9 +936,30 @@ INLINE WBlock wb_q6_k(const uint8_t *row, int64_t k, const KScales *ks) {
     const __m256i low = _mm256_and_si256(shift_right16(ql, 4 * (run >> 1)), _mm256_set1_epi8(0x0f));
     const __m256i high = _mm256_and_si256(shift_right16(qh, 2 * run), _mm256_set1_epi8(0x03));
     const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
-    const __m128 pair = _mm_castpd_ps(_mm_load_sd((const double *)(ks->s + 2 * j)));  /* its two sub-blocks' */
-    const __m256i halves = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-    const WBlock w = {q, _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), halves), 0.f};
+    const WBlock w = {q, per_half(ks->s + 2 * j), _mm256_setzero_ps()};
+    return w;
+}
+/* Q2_K: 16 bytes of scales and mins | 64 bytes of q, in two runs of 32 whose bytes hold four blocks of 32 in
+ * their 2-bit fields, lowest first | d, dmin; value (d * sc) * q - dmin * m, a scale and a min per 16 values. */
+INLINE WBlock wb_q2_k(const uint8_t *row, int64_t k, const KScales *ks) {
+    const int j = (int)(k % 8);
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(row + k / 8 * 84 + 16 + 32 * (j / 4)));
+    const WBlock w = {_mm256_and_si256(shift_right16(bytes, 2 * (j % 4)), _mm256_set1_epi8(0x03)),
+                      per_half(ks->s + 2 * j), per_half(ks->m + 2 * j)};
+    return w;
+}
+/* Q3_K: 32 bytes of high bits (bit j of byte i: value i of block j) | 64 bytes of 2-bit fields as Q2_K's | scales
+ * | d; value (d * (sc - 32)) * q, q the 2 low bits less 4 where the high bit is clear (-4 .. 3), a scale per 16
+ * values. */
+INLINE WBlock wb_q3_k(const uint8_t *row, int64_t k, const KScales *ks) {
+    const uint8_t *b = row + k / 8 * 110;
+    const int j = (int)(k % 8);
+    const __m256i low = _mm256_and_si256(shift_right16(_mm256_loadu_si256((const __m256i *)(b + 32 + 32 * (j / 4))),
+                                                       2 * (j % 4)), _mm256_set1_epi8(0x03));
+    const __m256i high = _mm256_and_si256(shift_right16(_mm256_loadu_si256((const __m256i *)b), j),
+                                          _mm256_set1_epi8(0x01));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 2)), _mm256_set1_epi8(4));
+    const WBlock w = {q, per_half(ks->s + 2 * j), _mm256_setzero_ps()};
     return w;
 }
 /* (the formats of 32-value blocks, to the K-quants' signature) */
@@ -864,8 +979,9 @@ INLINE __m256i dot_from(__m256i acc, __m256i a, __m256i b) {
 /* acc[r * MAX_NB + b] = sum over blocks of d[b, block] * (w[r, block] . q[b, block]) for R rows of a GGUF format
  * (row_bytes apart) and NB inputs. UNPACK reads a block of 32; a super-block of SUB blocks (BYTES256 bytes per
  * 256 values: the K-quants' blocks) has its scales decoded by PREP first, for each row. WSIGNED says whether q
- * are signed, OFFSET is what unsigned q lose (8 for Q4_0, 16 for Q5_0), WMIN whether there is a min. R and NB
- * are constant after inlining. */
+ * are signed, OFFSET is what unsigned q lose (8 for Q4_0, 16 for Q5_0), WMIN whether there is a min: 1 one a
+ * block, 2 one per 16 values (Q2_K: each lane meets its own share of the input's sum, dot_u8i8 of ones and x).
+ * R and NB are constant after inlining. */
 #define GGML_TILE(NAME, PREP, UNPACK, SUB, BYTES256, WSIGNED, OFFSET, WMIN)                                   \
     INLINE void NAME(const uint8_t *w, int64_t row_bytes, const Input *in_, int64_t b0, int64_t in, int R,   \
                      int NB, float *acc) {                                                                  \
@@ -886,13 +1002,17 @@ INLINE __m256i dot_from(__m256i acc, __m256i a, __m256i b) {
                 fetch_ahead(w + tile_bytes, from, (int)(R * BYTES256 * (k + 1) / 8 - from));                \
             }                                                                                               \
             __m256i x[Q8_NB];                                                                               \
-            float xd[Q8_NB], xm[Q8_NB];                                                                     \
+            __m256 xm[Q8_NB];                                                                               \
+            float xd[Q8_NB];                                                                                \
             int32_t xo[Q8_NB];                                                                              \
             for (int b = 0; b < NB; b++) {                                                                  \
                 x[b] = _mm256_loadu_si256((const __m256i *)(q + b * in + k * QBLOCK));                      \
                 PIN256(x[b]);                                                                               \
                 xd[b] = d[b * blocks + k];                                                                  \
-                xm[b] = xd[b] * (float)sum[b * blocks + k] * 0.125f; /* a lane's share of dx x sum */      \
+                /* each lane's dx x sum of its q, or its share of dx x the block's */                      \
+                xm[b] = WMIN == 2 ? _mm256_mul_ps(_mm256_cvtepi32_ps(dot_u8i8(_mm256_set1_epi8(1), x[b])),  \
+                                                  _mm256_set1_ps(xd[b]))                                    \
+                                  : _mm256_set1_ps(xd[b] * (float)sum[b * blocks + k] * 0.125f);            \
                 xo[b] = -(OFFSET / 8) * sum[b * blocks + k];         /* a lane's share of -OFFSET x sum */  \
             }                                                                                               \
             for (int r = 0; r < R; r++) {                                                                   \
@@ -903,7 +1023,7 @@ INLINE __m256i dot_from(__m256i acc, __m256i a, __m256i b) {
                     const __m256i p = OFFSET ? dot_from(_mm256_set1_epi32(xo[b]), wu, xv) : dot_u8i8(wu, xv); \
                     __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(wb.s, _mm256_set1_ps(xd[b])), \
                                                (__m256)a[r][b]);                                            \
-                    if (WMIN) t = _mm256_fmadd_ps(_mm256_set1_ps(wb.m), _mm256_set1_ps(xm[b]), t);          \
+                    if (WMIN) t = _mm256_fmadd_ps(wb.m, xm[b], t);                                          \
                     a[r][b] = (v8)t;                                                                        \
                 }                                                                                           \
             }                                                                                               \
@@ -915,6 +1035,8 @@ GGML_TILE(tile_q4_0, no_prep, wb_q4_0_, 1, 144, 0, 8, 0)
 GGML_TILE(tile_q4_1, no_prep, wb_q4_1_, 1, 160, 0, 0, 1)
 GGML_TILE(tile_q5_0, no_prep, wb_q5_0_, 1, 176, 0, 16, 0)
 GGML_TILE(tile_q5_1, no_prep, wb_q5_1_, 1, 192, 0, 0, 1)
+GGML_TILE(tile_q2_k, prep_q2_k, wb_q2_k, 8, 84, 0, 0, 2)
+GGML_TILE(tile_q3_k, prep_q3_k, wb_q3_k, 8, 110, 1, 0, 0)
 GGML_TILE(tile_q4_k, prep_q4_k, wb_q4_k, 8, 144, 0, 0, 1)
 GGML_TILE(tile_q5_k, prep_q4_k, wb_q5_k, 8, 176, 0, 0, 1)
 GGML_TILE(tile_q6_k, prep_q6_k, wb_q6_k, 8, 210, 1, 0, 0)
@@ -956,6 +1078,8 @@ static __attribute__((noinline)) void tile_ggml_any(int64_t type, const uint8_t 
     case GGML_Q4_1: Q_DISPATCH(tile_q4_1) break;
     case GGML_Q5_0: Q_DISPATCH(tile_q5_0) break;
     case GGML_Q5_1: Q_DISPATCH(tile_q5_1) break;
+    case GGML_Q2_K: Q_DISPATCH(tile_q2_k) break;
+    case GGML_Q3_K: Q_DISPATCH(tile_q3_k) break;
     case GGML_Q4_K: Q_DISPATCH(tile_q4_k) break;
     case GGML_Q5_K: Q_DISPATCH(tile_q5_k) break;
     case GGML_Q6_K: Q_DISPATCH(tile_q6_k) break;
@@ -1004,14 +1128,16 @@ INLINE void tile_ggml_any(int64_t type, const uint8_t *w, int64_t row_bytes, con
     for (int r = 0; r < R; r++)
         for (int64_t k = 0; k < blocks; k++) {
             int8_t q[QBLOCK];
-            float s[2], m;
-            ggml_block(type, w + r * row_bytes, k, q, s, &m);
+            float s[2], m[2];
+            ggml_block(type, w + r * row_bytes, k, q, s, m);
             for (int b = 0; b < NB; b++) {
                 const int8_t *xq = x->q + (b0 + b) * in + k * QBLOCK;
-                int32_t lo = 0, hi = 0;
-                for (int i = 0; i < QBLOCK / 2; i++) lo += (int32_t)q[i] * xq[i], hi += (int32_t)q[i + 16] * xq[i + 16];
+                int32_t lo = 0, hi = 0, xlo = 0;  /* the two halves' dot products, the first half's sum of q */
+                for (int i = 0; i < QBLOCK / 2; i++)
+                    lo += (int32_t)q[i] * xq[i], hi += (int32_t)q[i + 16] * xq[i + 16], xlo += xq[i];
                 const int64_t at = (b0 + b) * blocks + k;
-                acc[r * MAX_NB + b] += x->d[at] * (((float)lo * s[0] + (float)hi * s[1]) + m * (float)x->sum[at]);
+                const float mins = m[0] * (float)xlo + m[1] * (float)(x->sum[at] - xlo);
+                acc[r * MAX_NB + b] += x->d[at] * (((float)lo * s[0] + (float)hi * s[1]) + mins);
             }
         }
 }
@@ -1104,10 +1230,14 @@ INLINE void share(const Team *t, int64_t n, int64_t *lo, int64_t *hi) {
         default: FN(W, x, in, rstride, xstride, R, NB, fetch, acc); break;                                  \
     }
 
-/* Whether layer l runs on integer dot products (its input quantized per block; every part of a layer of
- * several formats is a GGUF one, which all read the same blocks). */
+/* Whether a GGUF part is in a float type (F16, BF16), read with the fp32 input as fp32 weights are. */
+INLINE int ggml_float(int64_t format) { return format == FMT_GGML + GGML_F16 || format == FMT_GGML + GGML_BF16; }
+
+/* Whether layer l runs on integer dot products (its input quantized per block; the parts of a layer of several
+ * formats are all GGUF block formats, which read the same blocks, or all float ones: step.py binds no mix). */
 INLINE int integer_path(const Linear *l) {
-    return (l->format == FMT_I8 || l->format == FMT_I4 || l->format > FMT_GGML) && l->in % QBLOCK == 0;
+    return (l->format == FMT_I8 || l->format == FMT_I4 || (l->format > FMT_GGML && !ggml_float(l->format)))
+        && l->in % QBLOCK == 0;
 }
 
 /* Bytes of a row of `in` values in a GGUF format (whole blocks: the Python side checked). */
@@ -1118,6 +1248,9 @@ INLINE int64_t ggml_row_bytes(int64_t type, int64_t in) {
     case GGML_Q4_1: return in / 32 * 20;
     case GGML_Q5_0: return in / 32 * 22;
     case GGML_Q5_1: return in / 32 * 24;
+    case GGML_F16: case GGML_BF16: return in * 2;
+    case GGML_Q2_K: return in / 256 * 84;
+    case GGML_Q3_K: return in / 256 * 110;
     case GGML_Q4_K: return in / 256 * 144;
     case GGML_Q5_K: return in / 256 * 176;
     default: return in / 256 * 210;  /* GGML_Q6_K */
@@ -1140,7 +1273,14 @@ static void part_tile(const Linear *l, int64_t r0, int R, const Input *input, in
     const int64_t in = l->in, rstride = in, xstride = in;
     const int fetch = b0 == 0;
     const float *x = input->x + b0 * in;
-    if (l->format > FMT_GGML) {
+    if (ggml_float(l->format)) {
+        const uint16_t *w = (const uint16_t *)l->weight + r0 * in;
+        if (l->format == FMT_GGML + GGML_F16) {
+            DISPATCH(tile_f16, w)
+        } else {
+            DISPATCH(tile_bf16, w)
+        }
+    } else if (l->format > FMT_GGML) {
         const int64_t type = l->format - FMT_GGML, row_bytes = ggml_row_bytes(type, in);
         tile_ggml_any(type, (const uint8_t *)l->weight + r0 * row_bytes, row_bytes, input, b0, in, R, NB, acc);
     } else if (l->format == FMT_I4) {
@@ -1638,9 +1778,9 @@ static void embed_row(const Model *m, int64_t id, float *out) {
     const uint8_t *row = (const uint8_t *)m->embed + id * m->embed_row_bytes;
     for (int64_t k = 0; k < H / QBLOCK; k++) {
         int8_t q[QBLOCK];
-        float sc[2], mn;
-        ggml_block(m->embed_format - FMT_GGML, row, k, q, sc, &mn);
-        for (int i = 0; i < QBLOCK; i++) out[k * QBLOCK + i] = sc[i / 16] * (float)q[i] + mn;
+        float sc[2], mn[2];
+        ggml_block(m->embed_format - FMT_GGML, row, k, q, sc, mn);
+        for (int i = 0; i < QBLOCK; i++) out[k * QBLOCK + i] = sc[i / 16] * (float)q[i] + mn[i / 16];
     }
 }
 
@@ -1732,4 +1872,168 @@ API int64_t pc_sizeof_layer(void) { return sizeof(Layer); }
 /* What this build was compiled for: the vector ISA and the linear layers' tile shape. */
 API const char *pc_build_info(void) {
     return ISA_NAME " vw=" STR(VW) " tile=" STR(TILE_R) "x" STR(MAX_NB) " rows1=" STR(ROWS_1);
+}
+
+/* ---- GGUF blocks -> float32, for the torch path -----------------------------------------------------------
+ * Where a step runs on the torch path (a long prefill, a family or format the step above does not take), a GGUF
+ * layer is dequantized per call (pagedchat/model/gguf/linear.py). In torch ops that was about half of a long
+ * prefill of Gemma 3's Q4_K_M file; here it is a plain loop per block. Every value is computed as
+ * pagedchat/model/gguf/quants.py (gguf-py's formulas) computes it, each product and sum rounded to float32 on its
+ * own: bit for bit the same weights, so the torch path's arithmetic does not change. Hence no contraction into
+ * fused multiply-adds in this part (GCC contracts across statements unless told; clang only within one). */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#define NO_FMA
+#elif defined(__GNUC__)
+#define NO_FMA __attribute__((optimize("fp-contract=off")))
+#else
+#define NO_FMA
+#endif
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes (quants.py _k_scales) */
+INLINE void k_scale_pair(const uint8_t *s, int j, float *sc, float *m) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *m = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 0x0f) | ((s[j - 4] >> 2) & 0x30));
+        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 2) & 0x30));
+    }
+}
+
+NO_FMA static void dq_q8_0(const uint8_t *b, float *y) {        /* q * d */
+    const float d = f16_to_f32((uint16_t)(b[0] | b[1] << 8));
+    for (int i = 0; i < 32; i++) y[i] = (float)(int8_t)b[2 + i] * d;
+}
+NO_FMA static void dq_q4_0(const uint8_t *b, float *y) {        /* d * (q - 8) */
+    const float d = f16_to_f32((uint16_t)(b[0] | b[1] << 8));
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((b[2 + i] & 15) - 8);
+        y[i + 16] = d * (float)((b[2 + i] >> 4) - 8);
+    }
+}
+NO_FMA static void dq_q4_1(const uint8_t *b, float *y) {        /* d * q + m */
+    const float d = f16_to_f32((uint16_t)(b[0] | b[1] << 8)), m = f16_to_f32((uint16_t)(b[2] | b[3] << 8));
+    for (int i = 0; i < 16; i++) {
+        const float lo = d * (float)(b[4 + i] & 15), hi = d * (float)(b[4 + i] >> 4);
+        y[i] = lo + m;
+        y[i + 16] = hi + m;
+    }
+}
+/* The loops below run over 16 or 32 consecutive values with one shift and one scale, so the compiler vectorizes
+ * them (indexing each value on its own did not: Q6_K was slower than torch's ops). */
+
+/* Q5_0 / Q5_1: bit k of the little-endian u32 before the nibbles is value k's fifth bit */
+NO_FMA static void dq_q5_0(const uint8_t *b, float *y) {        /* d * (q - 16) */
+    const float d = f16_to_f32((uint16_t)(b[0] | b[1] << 8));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    for (int i = 0; i < 16; i++) {
+        y[i] = d * (float)((int)((b[6 + i] & 15) | ((qh >> i) & 1) << 4) - 16);   /* (int: qh is unsigned) */
+        y[i + 16] = d * (float)((int)((b[6 + i] >> 4) | ((qh >> (i + 16)) & 1) << 4) - 16);
+    }
+}
+NO_FMA static void dq_q5_1(const uint8_t *b, float *y) {        /* d * q + m */
+    const float d = f16_to_f32((uint16_t)(b[0] | b[1] << 8)), m = f16_to_f32((uint16_t)(b[2] | b[3] << 8));
+    uint32_t qh;
+    memcpy(&qh, b + 4, 4);
+    for (int i = 0; i < 16; i++) {
+        const float lo = d * (float)((b[8 + i] & 15) | ((qh >> i) & 1) << 4);
+        const float hi = d * (float)((b[8 + i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
+        y[i] = lo + m;
+        y[i + 16] = hi + m;
+    }
+}
+/* Q2_K and Q3_K's 2-bit values: value 128h + 32j + i is bits 2j of byte 32h + i (sub-block 8h + 2j + i / 16) */
+NO_FMA static void dq_q2_k(const uint8_t *b, float *y) {        /* (d * sc) * q - (dmin * m), sub-blocks of 16 */
+    const uint8_t *sc = b, *qs = b + 16;
+    const float d = f16_to_f32((uint16_t)(b[80] | b[81] << 8)), dmin = f16_to_f32((uint16_t)(b[82] | b[83] << 8));
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int t = 0; t < 2; t++) {
+                const int s = 8 * h + 2 * j + t;
+                const float dl = d * (float)(sc[s] & 15), ml = dmin * (float)(sc[s] >> 4);
+                const uint8_t *q = qs + 32 * h + 16 * t;
+                float *out = y + 16 * s;
+                for (int i = 0; i < 16; i++) {
+                    const float p = dl * (float)((q[i] >> (2 * j)) & 3);
+                    out[i] = p - ml;
+                }
+            }
+}
+NO_FMA static void dq_q3_k(const uint8_t *b, float *y) {        /* (d * (sc - 32)) * (low - 4 unless the high bit) */
+    const uint8_t *hmask = b, *qs = b + 32, *sc = b + 96;
+    const float d = f16_to_f32((uint16_t)(b[108] | b[109] << 8));
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int t = 0; t < 2; t++) {
+                const int s = 8 * h + 2 * j + t, bit = 4 * h + j;
+                const int low4 = (sc[s & 7] >> (4 * (s >> 3))) & 15, top2 = (sc[8 + (s & 3)] >> (2 * (s >> 2))) & 3;
+                const float dl = d * (float)((low4 | top2 << 4) - 32);
+                const uint8_t *q = qs + 32 * h + 16 * t, *hm = hmask + 16 * t;
+                float *out = y + 16 * s;
+                for (int i = 0; i < 16; i++)
+                    out[i] = dl * (float)(((q[i] >> (2 * j)) & 3) - (((hm[i] >> bit) & 1) ? 0 : 4));
+            }
+}
+/* Q4_K and Q5_K's nibbles: value 64c + 32j + i is nibble j of byte 32c + i (sub-block 2c + j); Q5_K's fifth bit
+ * of it is bit 2c + j of byte i of qh */
+NO_FMA static void dq_q45_k(const uint8_t *b, const uint8_t *qh, const uint8_t *qs, float *y) {
+    const float d = f16_to_f32((uint16_t)(b[0] | b[1] << 8)), dmin = f16_to_f32((uint16_t)(b[2] | b[3] << 8));
+    for (int s = 0; s < 8; s++) {
+        float sc, m;
+        k_scale_pair(b + 4, s, &sc, &m);
+        const float dl = d * sc, ml = dmin * m;
+        const uint8_t *q = qs + 32 * (s >> 1);
+        const int shift = 4 * (s & 1);
+        float *out = y + 32 * s;
+        for (int i = 0; i < 32; i++) {
+            const int v = ((q[i] >> shift) & 15) | (qh ? ((qh[i] >> s) & 1) << 4 : 0);
+            const float p = dl * (float)v;
+            out[i] = p - ml;
+        }
+    }
+}
+static void dq_q4_k(const uint8_t *b, float *y) { dq_q45_k(b, NULL, b + 16, y); }
+static void dq_q5_k(const uint8_t *b, float *y) { dq_q45_k(b, b + 16, b + 48, y); }
+/* Q6_K: value 128h + 32j + i has low nibble j / 2 of byte 64h + 32 (j % 2) + i and high bits 2j of byte 32h + i
+ * (sub-block 8h + 2j + i / 16) */
+NO_FMA static void dq_q6_k(const uint8_t *b, float *y) {        /* (d * sc) * (q - 32), sub-blocks of 16 */
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = f16_to_f32((uint16_t)(b[208] | b[209] << 8));
+    for (int h = 0; h < 2; h++)
+        for (int j = 0; j < 4; j++)
+            for (int t = 0; t < 2; t++) {
+                const int s = 8 * h + 2 * j + t;
+                const float dl = d * (float)sc[s];
+                const uint8_t *lo = ql + 64 * h + 32 * (j & 1) + 16 * t, *hi = qh + 32 * h + 16 * t;
+                float *out = y + 16 * s;
+                for (int i = 0; i < 16; i++)
+                    out[i] = dl * (float)((((lo[i] >> (4 * (j >> 1))) & 15) | ((hi[i] >> (2 * j)) & 3) << 4) - 32);
+            }
+}
+
+typedef void (*BlockDequantizer)(const uint8_t *, float *);
+
+/* blocks GGUF blocks of `type` (consecutive) -> their values in `out`; 0, or -1 for a type not handled here */
+API int pc_dequantize(int64_t type, const uint8_t *raw, int64_t blocks, float *out, int threads) {
+    BlockDequantizer f;
+    int64_t bytes, values;
+    switch (type) {
+    case GGML_Q8_0: f = dq_q8_0; bytes = 34; values = 32; break;
+    case GGML_Q4_0: f = dq_q4_0; bytes = 18; values = 32; break;
+    case GGML_Q4_1: f = dq_q4_1; bytes = 20; values = 32; break;
+    case GGML_Q5_0: f = dq_q5_0; bytes = 22; values = 32; break;
+    case GGML_Q5_1: f = dq_q5_1; bytes = 24; values = 32; break;
+    case GGML_Q2_K: f = dq_q2_k; bytes = 84; values = 256; break;
+    case GGML_Q3_K: f = dq_q3_k; bytes = 110; values = 256; break;
+    case GGML_Q4_K: f = dq_q4_k; bytes = 144; values = 256; break;
+    case GGML_Q5_K: f = dq_q5_k; bytes = 176; values = 256; break;
+    case GGML_Q6_K: f = dq_q6_k; bytes = 210; values = 256; break;
+    default: return -1;
+    }
+#pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (blocks * values >= 65536)
+    for (int64_t k = 0; k < blocks; k++) f(raw + k * bytes, out + k * values);
+    return 0;
 }

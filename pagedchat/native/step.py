@@ -3,9 +3,10 @@
 `NativeDecode.bind(model, k_caches, v_caches, block_size, k_scales=None, v_scales=None)` returns None for what
 the C step does not cover, and the runner keeps the torch path for those: another family (Gemma 2's
 soft-capping, MoE, Phi-3's partial rotary), a dtype other than fp32 (its weights, beside int8 and int4
-layers and a GGUF file's block formats; its pool, beside int8 K/V with float16 scales), a GGUF layer with a part
-in a type decode.c does not read (F16, BF16, Q2_K, Q3_K: GGML_NATIVE lists those it does), a device other than
-CPU, or no compiler. The structs below mirror decode.c's; their sizes are checked against the library's.
+layers and a GGUF file's formats; its pool, beside int8 K/V with float16 scales), a GGUF layer with a part in a
+type decode.c does not read (GGML_NATIVE lists those it does) or with float parts (F16, BF16) beside block-format
+ones, a device other than CPU, or no compiler. The structs below mirror decode.c's; their sizes are checked
+against the library's.
 
 A GGUF layer (pagedchat/model/gguf/linear.py) is read in the file's layout, nothing repacked: one _Linear per
 part, chained, so fused q/k/v and gate/up whose parts have different types run each part in its own format.
@@ -31,10 +32,14 @@ _ptr = c_void_p
 
 
 FMT_F32, FMT_I8, FMT_I4 = 0, 1, 2  # decode.c's weight formats
-FMT_GGML = 100  # a GGUF block format: this + its ggml type number
+FMT_GGML = 100  # a GGUF format: this + its ggml type number
 # The GGUF types decode.c reads in the file's layout (pagedchat/model/gguf/quants.py describes them), by ggml
-# type number: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K.
-GGML_NATIVE = frozenset({2, 3, 6, 7, 8, 12, 13, 14})
+# type number. Block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) meet the input
+# quantized to 8 bits a block of 32; float ones (F16, BF16) meet it in fp32 (decode.c tile_f16 says why). A
+# layer's parts share one input, so they are all of one kind.
+GGML_BLOCKS = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
+GGML_FLOATS = frozenset({1, 30})
+GGML_NATIVE = GGML_BLOCKS | GGML_FLOATS
 
 
 class _Linear(ctypes.Structure):
@@ -105,10 +110,12 @@ def _int4_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
 
 def _gguf_linear(module: nn.Module) -> _Linear | None:
     """A GGUFLinear read in the file's layout: one _Linear per part, chained through `next` (q, k and v, or gate
-    and up, may each be another type); None when a part's type is one decode.c does not read, or a part is not
-    plain CPU bytes."""
+    and up, may each be another type); None when a part's type is one decode.c does not read, float parts sit
+    beside block-format ones (the two kinds take their input in different forms), or a part is not plain CPU
+    bytes."""
     parts = module.parts
-    if not all(qtype in GGML_NATIVE and _plain(raw, torch.uint8) for raw, qtype in parts) \
+    kinds = {qtype in GGML_FLOATS for _, qtype in parts}
+    if not all(qtype in GGML_NATIVE and _plain(raw, torch.uint8) for raw, qtype in parts) or len(kinds) > 1 \
             or module.in_features % 32 or not _fp32(module.bias):
         return None
     chain = None
@@ -260,12 +267,12 @@ def _gemma3_covered(model) -> bool:
 
 
 def _embedding(module: nn.Module) -> tuple[torch.Tensor, int] | None:
-    """(table, decode.c format) of the token embedding: an fp32 table, or a GGUF table's blocks in a type decode.c
-    reads (pagedchat/model/gguf/embedding.py); None for anything else."""
+    """(table, decode.c format) of the token embedding: an fp32 table, or a GGUF table's blocks in a block format
+    (pagedchat/model/gguf/embedding.py; the loader dequantizes a float table); None for anything else."""
     from pagedchat.model.gguf.embedding import GGUFEmbedding
 
     if isinstance(module, GGUFEmbedding):
-        ok = module.qtype in GGML_NATIVE and _plain(module.blocks, torch.uint8) and module.embedding_dim % 32 == 0
+        ok = module.qtype in GGML_BLOCKS and _plain(module.blocks, torch.uint8) and module.embedding_dim % 32 == 0
         return (module.blocks, FMT_GGML + module.qtype) if ok else None
     weight = getattr(module, "weight", None)
     return (weight, FMT_F32) if isinstance(weight, torch.Tensor) and _fp32(weight) else None

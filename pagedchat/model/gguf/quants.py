@@ -24,6 +24,8 @@ per bit field of the byte, lowest field first (`_fields`).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from pagedchat.errors import ModelLoadError
 from pagedchat.model.gguf.reader import BLOCKS as GGML_QUANT_SIZES, GGMLType as T
@@ -67,14 +69,29 @@ def dequantize(raw: torch.Tensor, qtype: int, shape: tuple[int, ...] | None = No
     return out if shape is None else out.view(shape)
 
 
-def dequantize_into(raw: torch.Tensor, qtype: int, out: torch.Tensor) -> None:
+# A faster dequantizer of the same values, bit for bit, where one is loaded (the native library's: installed by
+# pagedchat/native/dequantize.py, which the model floor cannot import): (blocks uint8 [n, type_size], qtype,
+# values [n, block_size]) -> whether it wrote them.
+FastDequantizer = Callable[[torch.Tensor, int, torch.Tensor], bool]
+_fast: FastDequantizer | None = None
+
+
+def use_fast_dequantizer(fn: FastDequantizer | None) -> None:
+    global _fast
+    _fast = fn
+
+
+def dequantize_into(raw: torch.Tensor, qtype: int, out: torch.Tensor, fast: bool = True) -> None:
     """dequantize(), written into `out` (contiguous, any float dtype, as many values as `raw` holds): lets a
-    layer made of several parts fill one weight without a concatenating copy."""
+    layer made of several parts fill one weight without a concatenating copy. fast=False: always the torch
+    functions below (the reference the fast dequantizer is held to)."""
     _check_raw(raw, qtype)
     block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
     blocks, values = raw.reshape(-1, type_size), out.view(-1, block_size)
     if values.shape[0] != blocks.shape[0]:
         raise ValueError(f"{blocks.shape[0]} {type_name(qtype)} blocks do not fill an output of {out.numel()}")
+    if fast and _fast is not None and _fast(blocks, qtype, values):
+        return
     blocks_of = _DEQUANTIZE[qtype]
     step = max(1, CHUNK_VALUES // block_size)
     for start in range(0, blocks.shape[0], step):
