@@ -43,6 +43,7 @@ _TRITON_FUNCTIONS = {"paged_decode_attention_triton": "triton_attention",
                      "paged_prefill_attention_triton": "triton_attention",
                      "write_kv_triton": "triton_cache", "copy_blocks_triton": "triton_cache",
                      "fused_moe_triton": "triton_moe", "int4_matmul_triton": "triton_int4",
+                     "gguf_matmul_triton": "triton_gguf",
                      "add_rms_norm_triton": "triton_fused", "silu_and_mul_triton": "triton_fused",
                      "rope_write_kv_triton": "triton_fused"}
 

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from hf_models import CHATML, build_tokenizer
+from pagedchat.bench.gguf_writer import finish_writer, random_blocks  # noqa: F401 (the tests' helpers too)
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "qwen3_moe": "qwen3moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3": "gemma3"}
@@ -99,14 +100,6 @@ def write_gguf(model, hf_dir: Path, out: Path, arch: str, qtype: str = "F32", se
         reference.update(undo(np.asarray(values, dtype=np.float32).reshape(data.shape)))
     finish_writer(w)
     return reference
-
-
-def finish_writer(w) -> None:
-    """Write a GGUFWriter's header, metadata and tensors, and close the file."""
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 def reference_model(model, reference: dict):
@@ -283,23 +276,3 @@ def _stored(data: np.ndarray, qtype: str, rng):
         return gguf.quants.quantize(data, kind), kind
     except NotImplementedError:
         return random_blocks(data.shape, kind, rng), kind
-
-
-# Where each K-quant keeps its float16 super-block scales (byte offsets of d, and of dmin where it has one).
-_SCALE_BYTES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_blocks(shape, kind, rng) -> np.ndarray:
-    """Random blocks of `kind` whose scales are small finite float16 values (random bytes there could be
-    inf or NaN): weights of the magnitude a trained model has."""
-    import gguf
-
-    block, size = gguf.GGML_QUANT_SIZES[kind]
-    rows = int(np.prod(shape[:-1]))
-    raw = rng.integers(0, 256, size=(rows, shape[-1] // block, size), dtype=np.uint8)
-    for offset in _SCALE_BYTES[kind.name]:
-        scales = rng.uniform(0.002, 0.02, size=raw.shape[:2]).astype(np.float16)
-        raw[:, :, offset:offset + 2] = scales.view(np.uint8).reshape(*raw.shape[:2], 2)
-    return raw.reshape(*shape[:-1], shape[-1] // block * size)
-
-

@@ -50,6 +50,10 @@ def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp
     assert report["steps"]["tests"]["figures"]["collected"] > 10          # the GPU tests import without a GPU
     assert report["steps"]["batch1"]["figures"]["of_floor"] == 0.5
     assert report["steps"]["batch1"]["figures"]["int4_over_model_dtype"] == 1.5
+    assert report["steps"]["batch1"]["figures"]["gguf_q4_k_m_over_model_dtype"] == 3.0
+    assert report["steps"]["batch1"]["figures"]["gguf_q4_k_m_of_floor"] == 0.6
+    batch1_words = next(row[3] for row in gpu.summary_rows(report) if row[0] == "batch1")
+    assert "GGUF Q4_K_M 3 (3.00x, 60% of its floor)" in batch1_words
     assert report["steps"]["batch1"]["figures"]["overlap_speedup"] == 1.25
     assert report["steps"]["spec"]["figures"]["speedup_batch1"]["edit"] == 2.0
     assert report["steps"]["spec"]["figures"]["greedy_identical"] is True

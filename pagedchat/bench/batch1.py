@@ -235,11 +235,17 @@ def _gpu_prompts(spec: dict) -> tuple[list[int], list[list[int]]]:
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decode step reads: every parameter once (a tied LM head is the embedding table),
-    except that an untied embedding table is read one row at a time."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed, head = model.embed_tokens.weight, model.lm_head.weight
-    return total if embed is head else total - embed.numel() * embed.element_size()
+    """Bytes of weights one decode step reads: every parameter and every GGUF layer's blocks once (a tied LM head
+    is the embedding table), except that an embedding table the head does not share is read one row at a time."""
+    from pagedchat.model.gguf.linear import GGUFLinear
+
+    def size(t) -> int:
+        return t.numel() * t.element_size()
+
+    total = sum(size(p) for p in model.parameters())
+    total += sum(size(raw) for m in model.modules() if isinstance(m, GGUFLinear) for raw, _ in m.parts)
+    embed = getattr(model.embed_tokens, "weight", None)   # none: a GGUF table kept as blocks (uncounted buffers)
+    return total if embed is None or embed is getattr(model.lm_head, "weight", None) else total - size(embed)
 
 
 def device_copy_gbps(device) -> float | None:
@@ -283,7 +289,7 @@ def worker_pagedchat_gpu(spec: dict) -> dict:
         ttft.append(time.perf_counter() - start)
     result = {"decode_tok_per_s": (spec["new_tokens"] - 1) / decode_s, "ttft_s": statistics.median(ttft),
               "graphs": engine.runner.graphs is not None}
-    if spec.get("floor"):
+    if spec.get("floor"):   # the weight bytes a token reads, and the rate the device copies them
         result.update(weight_bytes=weight_bytes_per_token(engine.runner.model), copy_gbps=device_copy_gbps(device))
     engine.close()
     return result
@@ -467,7 +473,27 @@ GPU_SYSTEMS = {"pagedchat": ("pagedchat-gpu", {"graphs": True, "floor": True}),
                "pagedchat, graphs off": ("pagedchat-gpu", {"graphs": False}),
                "pagedchat, not overlapped": ("pagedchat-gpu", {"graphs": True, "overlap": False}),
                "pagedchat int4": ("pagedchat-gpu", {"graphs": True, "quantize": "int4"}),  # --quantize int4
+               # the model's shape as a Q4_K_M GGUF file (q4_k_m_file), multiplied as stored (Triton GGUF kernels)
+               "pagedchat gguf q4_k_m": ("pagedchat-gpu", {"graphs": True, "floor": True, "gguf": "q4_k_m"}),
                "transformers generate": ("transformers-gpu", {})}
+
+
+def q4_k_m_file(config: dict, folder: Path) -> Path:
+    """A Llama model of the config's shape written as a Q4_K_M GGUF file in `folder`. Its blocks are random, not
+    the model's weights quantized (gguf-py cannot quantize to the K-quants): decode speed depends on the shapes
+    and the formats, not on the values. UserError when it cannot be written."""
+    if (config.get("architectures") or [None])[0] != "LlamaForCausalLM":
+        raise UserError("the GGUF Q4_K_M row is written for Llama-architecture models")
+    try:
+        from pagedchat.bench.gguf_writer import write_llama_q4_k_m
+
+        return write_llama_q4_k_m(folder / "model-Q4_K_M.gguf", config,
+                                  context_length=config["max_position_embeddings"],
+                                  tied=bool(config.get("tie_word_embeddings")))
+    except ImportError as e:
+        raise UserError(f"the GGUF Q4_K_M row needs gguf-py (pip install gguf): {e}") from e
+    except ValueError as e:
+        raise UserError(str(e)) from e
 
 
 def run_batch1_gpu(model_path: Path, device: str = "cuda", dtype: str = "auto", decode_prompt: int = 512,
@@ -475,8 +501,9 @@ def run_batch1_gpu(model_path: Path, device: str = "cuda", dtype: str = "auto", 
                    timeout: float = 600) -> dict:
     """Batch-1 decode (CUDA graphs on and off) and time to first token against transformers `generate` and
     against the memory-bandwidth floor: weight bytes per token over the measured device copy bandwidth, the
-    rate at which a decode that read every weight once per token and did nothing else would run. Each system
-    runs once, in its own process; a peer that fails is a row with its error."""
+    rate at which a decode that read every weight once per token and did nothing else would run (for the model
+    dtype's weights and, in their own row, the same shape's Q4_K_M GGUF blocks). Each system runs once, in its
+    own process; a peer that fails is a row with its error."""
     config = json.loads((Path(model_path) / "config.json").read_text())
     if ttft_tokens + 1 > config.get("max_position_embeddings", ttft_tokens + 1):
         raise UserError(f"the model's context ({config['max_position_embeddings']}) is shorter than the "
@@ -488,7 +515,10 @@ def run_batch1_gpu(model_path: Path, device: str = "cuda", dtype: str = "auto", 
     with tempfile.TemporaryDirectory(prefix="pagedchat-batch1-") as tmp:
         for name, (worker, extra) in GPU_SYSTEMS.items():
             try:
-                systems[name] = _run(worker, {**base, **extra}, Path(tmp), timeout)
+                spec = {**base, **extra}
+                if "gguf" in extra:
+                    spec["model"] = str(q4_k_m_file(config, Path(tmp)))
+                systems[name] = _run(worker, spec, Path(tmp), timeout)
             except UserError as e:
                 if name == "pagedchat":
                     raise
@@ -500,12 +530,20 @@ def run_batch1_gpu(model_path: Path, device: str = "cuda", dtype: str = "auto", 
                  "tok_per_s": ours["copy_gbps"] * 1e9 / ours["weight_bytes"]}
     return {"device": device, "dtype": dtype, "decode_prompt": decode_prompt, "new_tokens": new_tokens,
             "ttft_tokens": ttft_tokens, "ttft_runs": ttft_runs, "floor": floor,
-            # (the floor is the model dtype's weight bytes: an int4 row reads fewer, so it has none)
-            "systems": {**{name: {**m, "of_floor": m["decode_tok_per_s"] / floor["tok_per_s"]
-                                  if floor and "quantize" not in GPU_SYSTEMS[name][1] else None}
+            # (the floor is the model dtype's weight bytes: an int4 row reads fewer, so it has none; the GGUF row
+            # measured its own bytes, and is held to them)
+            "systems": {**{name: {**m, "of_floor": _of_floor(m, floor, GPU_SYSTEMS[name][1])}
                            for name, m in systems.items()}, **{name: {"error": e} for name, e in errors.items()}},
             "pagedchat_ratio": {name: {"decode": ours["decode_tok_per_s"] / m["decode_tok_per_s"],
                                        "ttft": m["ttft_s"] / ours["ttft_s"]} for name, m in systems.items()}}
+
+
+def _of_floor(m: dict, floor: dict | None, extra: dict) -> float | None:
+    """The row's decode rate over its memory-bandwidth floor: the one of its own weight bytes where it measured
+    them, the model dtype's for a row that reads those."""
+    if m.get("copy_gbps"):
+        return m["decode_tok_per_s"] * m["weight_bytes"] / (m["copy_gbps"] * 1e9)
+    return m["decode_tok_per_s"] / floor["tok_per_s"] if floor and "quantize" not in extra else None
 
 
 def print_batch1_gpu_report(r: dict) -> None:
@@ -523,6 +561,10 @@ def print_batch1_gpu_report(r: dict) -> None:
     if floor:
         caption += (f"; floor: {floor['weight_bytes'] / 1e9:.2f} GB of weights per token at the measured device "
                     f"copy rate {floor['copy_gbps']:,.0f} GB/s = {floor['tok_per_s']:,.0f} tok/s")
+    gguf = r["systems"].get("pagedchat gguf q4_k_m", {})
+    if gguf.get("weight_bytes"):
+        caption += (f"; the GGUF Q4_K_M row (random blocks of the same shape) reads {gguf['weight_bytes'] / 1e9:.2f} "
+                    f"GB per token: its floor is its own")
     print_table(f"Batch 1 on {r['device']} ({r['dtype']}) — decode ({r['decode_prompt']}-token prompt, "
                 f"{r['new_tokens']} new tokens) and time to first token of a {r['ttft_tokens']}-token prompt "
                 f"(median of {r['ttft_runs']})",

@@ -7,11 +7,12 @@ each in its own process under its own time limit, all within one overall budget 
   install     pip install --no-deps --no-build-isolation --no-index -e .   (nothing is downloaded)
   tests       the `gpu` tests: every family fp32-exact against transformers on the same GPU (long prompts through a
               small step budget, the prefix cache, n=4, a 7-head MHA Qwen2 shape), bf16 agreement, graph capture
-              of every family, memory given back by close(), the kernel tests
+              of every family, memory given back by close(), the kernel tests (attention, GGUF matmuls)
   model       a random model of Llama-3.2-1B's shape (16 layers, hidden 2048, 32/8 heads of 64, vocab 128,256,
               tied, bf16), built on the GPU once for the two steps below
-  batch1      batch-1 decode (CUDA graphs on and off, steps not overlapped, `--quantize int4`) and time to first
-              token of a 2,048-token prompt, against transformers `generate` and the memory-bandwidth floor
+  batch1      batch-1 decode (CUDA graphs on and off, steps not overlapped, `--quantize int4`, the same shape as a
+              Q4_K_M GGUF file on the Triton GGUF kernels: needs gguf-py to write it) and time to first token of a
+              2,048-token prompt, against transformers `generate` and the memory-bandwidth floor
   throughput  `bench throughput`: 256 requests x 128 new tokens, pagedchat (steps overlapped and not) against both
               transformers peers
   spec        `bench spec`: `--speculate ngram` against plain decode on the same model (edit-like, regenerate and
@@ -47,7 +48,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 420          # the whole run, steps included: 7 minutes (under 8 on one H100/H200, with start-up)
 MIN_STEP_S = 20         # a step that would get less is skipped, not started
-GPU_TESTS = ("tests/test_gpu_engine.py", "tests/test_kernels.py")
+GPU_TESTS = ("tests/test_gpu_engine.py", "tests/test_kernels.py", "tests/test_triton_gguf.py")
 MODEL_SHAPE = dict(arch="llama", size="1b", max_positions=4096)
 THROUGHPUT_ARGS = ("--requests", "256", "--max-tokens", "128",
                    "--systems", "pagedchat,pagedchat-sync,hf-generate,hf-cb")
@@ -101,15 +102,19 @@ def read_tests(stdout: str, outdir: Path) -> dict:
 def read_batch1(stdout: str, outdir: Path) -> dict:
     r = _json_out(stdout, outdir)
     systems = r["systems"]
-    ours, off, sync, int4, hf = (systems.get(k, {}) for k in ("pagedchat", "pagedchat, graphs off",
-                                                                "pagedchat, not overlapped", "pagedchat int4",
-                                                                "transformers generate"))
+    ours, off, sync, int4, gguf, hf = (systems.get(k, {}) for k in ("pagedchat", "pagedchat, graphs off",
+                                                                      "pagedchat, not overlapped", "pagedchat int4",
+                                                                      "pagedchat gguf q4_k_m", "transformers generate"))
     floor = r.get("floor") or {}
     return {"decode_tok_per_s": ours.get("decode_tok_per_s"), "decode_graphs_off_tok_per_s": off.get("decode_tok_per_s"),
             "decode_not_overlapped_tok_per_s": sync.get("decode_tok_per_s"),
             "overlap_speedup": _over(ours, sync, "decode_tok_per_s"),
             "int4_decode_tok_per_s": int4.get("decode_tok_per_s"),
             "int4_over_model_dtype": _over(int4, ours, "decode_tok_per_s"),
+            # the goal: >= 2.5x the model dtype (bf16) at batch 1, from reading under a third of its bytes
+            "gguf_q4_k_m_decode_tok_per_s": gguf.get("decode_tok_per_s"),
+            "gguf_q4_k_m_over_model_dtype": _over(gguf, ours, "decode_tok_per_s"),
+            "gguf_q4_k_m_of_floor": gguf.get("of_floor"), "gguf_q4_k_m_weight_bytes": gguf.get("weight_bytes"),
             "hf_decode_tok_per_s": hf.get("decode_tok_per_s"), "floor_tok_per_s": floor.get("tok_per_s"),
             "of_floor": ours.get("of_floor"), "copy_gbps": floor.get("copy_gbps"),
             "weight_bytes": floor.get("weight_bytes"), "ttft_ms": _ms(ours.get("ttft_s")),
@@ -174,6 +179,8 @@ _DRY_BATCH1 = {"systems": {"pagedchat": {"decode_tok_per_s": 1.0, "ttft_s": 0.1,
                            "pagedchat, graphs off": {"decode_tok_per_s": 0.5, "ttft_s": 0.1, "of_floor": 0.25},
                            "pagedchat, not overlapped": {"decode_tok_per_s": 0.8, "ttft_s": 0.1, "of_floor": 0.4},
                            "pagedchat int4": {"decode_tok_per_s": 1.5, "ttft_s": 0.1, "of_floor": None},
+                           "pagedchat gguf q4_k_m": {"decode_tok_per_s": 3.0, "ttft_s": 0.1, "of_floor": 0.6,
+                                                     "weight_bytes": 2},
                            "transformers generate": {"error": "dry run"}},
                "floor": {"tok_per_s": 2.0, "copy_gbps": 1.0, "weight_bytes": 5}}
 _DRY_THROUGHPUT = {"systems": {"pagedchat": {"output_tok_per_s": 2.0, "ttft_p50_s": 0.1},
@@ -198,7 +205,7 @@ def plan(outdir: Path, model_dir: Path) -> list[Step]:
              dry_argv=tests + ["--collect-only"]),
         Step("model", 45, [py, "-m", "pagedchat.bench.gpu", "--build-model", str(model_dir)], read_nothing,
              dry_argv=_canned({})),
-        Step("batch1", 130, cli + ["batch1", "-m", str(model_dir), "--device", "cuda", "--json"], read_batch1,
+        Step("batch1", 160, cli + ["batch1", "-m", str(model_dir), "--device", "cuda", "--json"], read_batch1,
              dry_argv=_canned(_DRY_BATCH1)),
         Step("throughput", 130, cli + ["throughput", "-m", str(model_dir), "--device", "cuda", *THROUGHPUT_ARGS,
                                        "--timeout", "40", "--json"], read_throughput,
@@ -315,6 +322,9 @@ def summary_rows(report: dict) -> list[list]:
                      f"{_n(f.get('decode_not_overlapped_tok_per_s'))}, "
                      f"graphs off {_n(f.get('decode_graphs_off_tok_per_s'))}, "
                      f"int4 {_n(f.get('int4_decode_tok_per_s'))} ({_n(f.get('int4_over_model_dtype'), 2)}x), "
+                     f"GGUF Q4_K_M {_n(f.get('gguf_q4_k_m_decode_tok_per_s'))} "
+                     f"({_n(f.get('gguf_q4_k_m_over_model_dtype'), 2)}x, {_pct(f.get('gguf_q4_k_m_of_floor'))} of its "
+                     f"floor), "
                      f"transformers {_n(f.get('hf_decode_tok_per_s'))}; TTFT {_n(f.get('ttft_ms'), 1)} ms vs "
                      f"{_n(f.get('hf_ttft_ms'), 1)} ms")
         elif name == "throughput":

@@ -1,11 +1,12 @@
-"""Registers, spills and shared memory of the attention kernels' configurations, compiled for Hopper (sm_90).
+"""Registers, spills and shared memory of the attention kernels' configurations and of the GGUF weight matmuls,
+compiled for Hopper (sm_90).
 
 Needs no GPU: Triton compiles for a named target on any machine, and the ptxas bundled with it reports each
 kernel's registers and spills (`ptxas -v`); Triton's own metadata says how much shared memory it allocates.
-The launches compiled are the ones the wrappers build for real calls (decode_launches / prefill_launches on
-small CPU tensors of the right dtypes and layouts), so the table describes exactly what runs.
+The launches compiled are the ones the wrappers build for real calls (decode_launches / prefill_launches /
+gguf_launch on small CPU tensors of the right dtypes and layouts), so the table describes exactly what runs.
 
-    python scripts/kernel_resources.py [--all-candidates] > table.md   (rows print as they compile)
+    python scripts/kernel_resources.py [--all-candidates | --gguf] > table.md   (rows print as they compile)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 SM90 = ("cuda", 90, 32)
 _TRITON_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-                 torch.int64: "i64", torch.int8: "i8", torch.float8_e4m3fn: "fp8e4nv"}
+                 torch.int64: "i64", torch.int8: "i8", torch.uint8: "u8", torch.float8_e4m3fn: "fp8e4nv"}
 
 
 class Unavailable(RuntimeError):
@@ -218,3 +219,53 @@ def _dtype_name(case: Case) -> str:
     name = str(case.dtype).removeprefix("torch.")
     name = name if case.kv_dtype is None else f"{str(case.kv_dtype).removeprefix('torch.')} KV, {name} q"
     return name + (", window + softcap" if case.window_softcap else "")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The GGUF weight matmuls (kernels/triton_gguf.py)
+# ---------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GGUFCase:
+    qtype: str           # GGML type name
+    rows: int            # activation rows: 1 (batch-1 decode), 4 (a small batch), 16 (a decode batch), 512 (prefill)
+    out_features: int = 2048
+    in_features: int = 2048
+    dtype: torch.dtype = torch.bfloat16
+
+
+def gguf_cases() -> list[GGUFCase]:
+    """Every type at every size class (Llama-3.2-1B's 2048 x 2048 layer, bf16): each kind of kernel and row
+    tile; and fp32 prefill (IEEE dots, their own tile) for a few types."""
+    from pagedchat.kernels.triton_gguf import FORMATS
+
+    return ([GGUFCase(qtype, rows) for qtype in FORMATS for rows in (1, 4, 16, 512)]
+            + [GGUFCase(qtype, 512, dtype=torch.float32) for qtype in ("Q4_K", "Q6_K", "Q8_0")])
+
+
+def gguf_resource_rows(cases: list[GGUFCase]):
+    """One row per case as it compiles: its launch (the default configuration of an H100's 132 SMs) and
+    resources."""
+    from pagedchat.kernels.triton_gguf import FORMATS, gguf_launch
+
+    for case in cases:
+        values, size, _ = FORMATS[case.qtype]
+        x = torch.empty(case.rows, case.in_features, dtype=case.dtype)
+        raw = torch.empty(case.out_features, case.in_features // values * size, dtype=torch.uint8)
+        launch = gguf_launch(x, raw, case.qtype, torch.empty(case.rows, case.out_features, dtype=case.dtype),
+                             num_sms=132)
+        yield dict(case=case, launch=launch, resources=compile_launch(launch))
+
+
+GGUF_HEADER = ["| kernel | weight type | dtype | rows | tiling | warps | stages | registers | spills (bytes st/ld) | "
+               "shared memory |",
+               "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def gguf_markdown_row(row: dict) -> str:
+    case, launch, res = row["case"], row["launch"], row["resources"]
+    c = launch.constexprs
+    tiling = f"{c['BLOCK_M']} x {c['BLOCK_N']} x {c['BLOCK_U'] * 2 * c['RUN']}"   # rows x features x inputs
+    return (f"| {res.kernel.strip('_')} | {case.qtype} | {str(case.dtype).removeprefix('torch.')} | {case.rows} | "
+            f"{tiling} | {launch.num_warps} | {launch.num_stages} | {res.registers} | "
+            f"{res.spill_stores}/{res.spill_loads} | {res.shared_bytes // 1024} KiB |")

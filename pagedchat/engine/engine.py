@@ -145,8 +145,9 @@ class Engine:
         return self.loaded.device
 
     def _weights_as_stored(self) -> None:
-        """A GGUF's block formats stay as stored where something multiplies them so: on CUDA (a layer
-        dequantized on the device as it runs) and where the native CPU step runs the model. Elsewhere the torch
+        """A GGUF's block formats stay as stored where something multiplies them so: on CUDA (the Triton
+        kernels; a format they lack is dequantized a layer at a time as it runs) and where the native CPU step
+        runs the model. Elsewhere the torch
         path would dequantize every weight at every step (Gemma 3 270M on the torch path: 0.4 tok/s), so they are dequantized
         once, now, with a one-line note."""
         from pagedchat.model.gguf.load import dequantize_linears

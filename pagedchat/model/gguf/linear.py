@@ -2,12 +2,15 @@
 
 Why dequantize per layer, per call: memory. The model stays resident at the file's size (Q4_K is 4.5 bits a
 weight, not bf16's 16), and only one layer's weight is dense at a time, a transient the size of the largest
-layer. The cost is a dequantization per forward; speed is for kernels that read the blocks directly (the native
-CPU decode step does: pagedchat/native/step.py binds these parts), and this layer is what they are checked
-against.
+layer. The cost is a dequantization per forward; speed is for kernels that read the blocks directly: on CUDA
+the Triton kernels (kernels/triton_gguf.py) multiply by each part as stored, on the CPU the native decode step
+does (pagedchat/native/step.py binds these parts). The dequantizing path is what both are checked against.
 """
 
 from __future__ import annotations
+
+import functools
+import threading
 
 import torch
 import torch.nn.functional as F
@@ -52,9 +55,12 @@ class GGUFLinear(nn.Module):
         arena by assigning a view there (same bytes) to each name (pagedchat/native/step.py gather_weights)."""
         return [f"part{i}" for i in range(len(self.qtypes))]
 
-    def dequantized(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The whole weight [out_features, in_features] in `dtype`, each part written into its rows."""
-        weight = torch.empty((self.out_features, self.in_features), dtype=dtype, device=self.part0.device)
+    def dequantized(self, dtype: torch.dtype = torch.float32, transient: bool = False) -> torch.Tensor:
+        """The whole weight [out_features, in_features] in `dtype`, each part written into its rows; transient:
+        in this thread's scratch buffer (valid until the next transient weight)."""
+        shape = (self.out_features, self.in_features)
+        weight = _transient(shape, dtype, self.part0.device) if transient else \
+            torch.empty(shape, dtype=dtype, device=self.part0.device)
         row = 0
         for raw, qtype in self.parts:
             dequantize_into(raw, qtype, weight[row:row + raw.shape[0]])
@@ -62,21 +68,67 @@ class GGUFLinear(nn.Module):
         return weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and all(type_name(qtype) in _triton_types() for qtype in self.qtypes):
+            return self.triton_forward(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if self.out_features <= CHUNK_ROWS:
-            return F.linear(x, self.dequantized(x.dtype), bias)
+            return F.linear(x, self.dequantized(x.dtype, transient=True), bias)
         # A large layer (a 262k-token LM head) a slice of rows at a time: its dense transient stays small.
         y = torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype, device=x.device)
         row = 0
         for raw, qtype in self.parts:
             for r in range(0, raw.shape[0], CHUNK_ROWS):
                 rows = raw[r:r + CHUNK_ROWS]
-                w = torch.empty((rows.shape[0], self.in_features), dtype=x.dtype, device=x.device)
+                w = _transient((rows.shape[0], self.in_features), x.dtype, x.device)
                 dequantize_into(rows, qtype, w)
                 y[..., row + r:row + r + rows.shape[0]] = F.linear(x, w)
             row += raw.shape[0]
         return y if bias is None else y + bias
 
+    def triton_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """forward() on the Triton kernels: one launch per part, each writing its columns of the output (also
+        run by the tests on CPU under the Triton interpreter)."""
+        from pagedchat.kernels import gguf_matmul_triton
+
+        flat = x.reshape(-1, self.in_features)
+        y = torch.empty((flat.shape[0], self.out_features), dtype=x.dtype, device=x.device)
+        row = 0
+        for raw, qtype in self.parts:
+            gguf_matmul_triton(flat, raw, type_name(qtype), out=y[:, row:row + raw.shape[0]])
+            row += raw.shape[0]
+        if self.bias is not None:
+            y += self.bias.to(x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
+
     def extra_repr(self) -> str:
         types = "+".join(type_name(qtype) for qtype in self.qtypes)
         return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
+
+
+_scratch = threading.local()
+
+
+def _transient(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor for a dense weight that lives for one F.linear. On the CPU one buffer per thread
+    is reused: a new allocation of a layer's size (megabytes) is a fresh mapping the kernel page-faults in again
+    at every layer of every step, which cost as much as the dequantization itself. (CUDA's caching allocator
+    reuses memory already.)"""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = shape[0] * shape[1]
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.dtype != dtype or buf.numel() < n:
+        buf = _scratch.buf = torch.empty(n, dtype=dtype)
+    return buf[:n].view(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_types() -> frozenset[str]:
+    """The GGUF types the Triton kernels multiply as stored; none where Triton is missing or unusable."""
+    from pagedchat import kernels
+
+    if not kernels.HAS_TRITON or getattr(kernels, "gguf_matmul_triton", None) is None:
+        return frozenset()
+    from pagedchat.kernels.triton_gguf import FORMATS
+
+    return frozenset(FORMATS)
