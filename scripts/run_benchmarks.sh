@@ -51,6 +51,7 @@ if want chat; then
         --variants 2 --beams 8 --beam-prompts 1024,2048 --beam-tokens 64 --json --plot docs/img/bench-chat.png
 fi
 if want serve; then
+    run "serve-search-$ISA" -- pagedchat bench serve --json
     run "serve-lognormal-$ISA" -- pagedchat bench serve --rates 2,3,4,5,6,8,10,12,14,16 --requests 60 \
         --pool-blocks 56 --mean-output 32 --json --plot docs/img/bench-serve-lognormal.png
     run "serve-chat-$ISA" -- pagedchat bench serve --workload chat --system-tokens 256 --mean-prompt 32 \

@@ -403,3 +403,18 @@ def test_beam_search_as_vllm_takes_it(server, client, model):
                                   extra_body={"use_beam_search": True, "best_of": 2})
     with pytest.raises(openai.BadRequestError, match="best_of"):
         client.completions.create(model=NAME, prompt=ids, max_tokens=2, extra_body={"best_of": 2})
+
+
+def test_a_streamed_event_stays_one_line_for_clients_that_split_with_splitlines():
+    """A reply may hold U+0085, U+2028 or U+2029 (a model samples any token): JSON leaves them raw, and httpx's
+    aiter_lines (str.splitlines) cut such an event in two ("Unterminated string", found by `bench serve` at
+    70 req/s). Escaped, every client reads one line and the same text."""
+    import json
+
+    from httpx._decoders import LineDecoder
+
+    from pagedchat.serve.app import _sse
+
+    body = {"choices": [{"delta": {"content": "a\x85b\u2028c\u2029d é\n"}}]}
+    lines = [line for line in LineDecoder().decode(_sse(body)) if line]
+    assert len(lines) == 1 and json.loads(lines[0].removeprefix("data: ")) == body

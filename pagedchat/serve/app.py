@@ -606,8 +606,14 @@ class _EventStream(StreamingResponse):
             self.group.abort()
 
 
+# Characters str.splitlines() ends a line at, besides CR and LF, that JSON leaves unescaped: an event stream's
+# lines end only at CR/LF, but clients that split with splitlines (httpx's aiter_lines among them) cut a
+# reply's JSON at them ("Unterminated string"); escaped, the event is the same JSON on one line for everyone.
+_LINE_BREAKING = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(body, ensure_ascii=False).translate(_LINE_BREAKING)}\n\n"
 
 
 def _finish(reason: str | None) -> str | None:
