@@ -2019,20 +2019,20 @@ typedef void (*BlockDequantizer)(const uint8_t *, float *);
 /* blocks GGUF blocks of `type` (consecutive) -> their values in `out`; 0, or -1 for a type not handled here */
 API int pc_dequantize(int64_t type, const uint8_t *raw, int64_t blocks, float *out, int threads) {
     BlockDequantizer f;
-    int64_t bytes, values;
     switch (type) {
-    case GGML_Q8_0: f = dq_q8_0; bytes = 34; values = 32; break;
-    case GGML_Q4_0: f = dq_q4_0; bytes = 18; values = 32; break;
-    case GGML_Q4_1: f = dq_q4_1; bytes = 20; values = 32; break;
-    case GGML_Q5_0: f = dq_q5_0; bytes = 22; values = 32; break;
-    case GGML_Q5_1: f = dq_q5_1; bytes = 24; values = 32; break;
-    case GGML_Q2_K: f = dq_q2_k; bytes = 84; values = 256; break;
-    case GGML_Q3_K: f = dq_q3_k; bytes = 110; values = 256; break;
-    case GGML_Q4_K: f = dq_q4_k; bytes = 144; values = 256; break;
-    case GGML_Q5_K: f = dq_q5_k; bytes = 176; values = 256; break;
-    case GGML_Q6_K: f = dq_q6_k; bytes = 210; values = 256; break;
+    case GGML_Q8_0: f = dq_q8_0; break;
+    case GGML_Q4_0: f = dq_q4_0; break;
+    case GGML_Q4_1: f = dq_q4_1; break;
+    case GGML_Q5_0: f = dq_q5_0; break;
+    case GGML_Q5_1: f = dq_q5_1; break;
+    case GGML_Q2_K: f = dq_q2_k; break;
+    case GGML_Q3_K: f = dq_q3_k; break;
+    case GGML_Q4_K: f = dq_q4_k; break;
+    case GGML_Q5_K: f = dq_q5_k; break;
+    case GGML_Q6_K: f = dq_q6_k; break;
     default: return -1;
     }
+    const int64_t values = type >= GGML_Q2_K ? 256 : 32, bytes = ggml_row_bytes(type, values);
 #pragma omp parallel for num_threads(threads > 0 ? threads : 1) schedule(static) if (blocks * values >= 65536)
     for (int64_t k = 0; k < blocks; k++) f(raw + k * bytes, out + k * values);
     return 0;

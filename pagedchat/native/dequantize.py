@@ -16,11 +16,11 @@ from ctypes import c_int, c_int64, c_void_p
 import torch
 
 from pagedchat.model.gguf import quants
-from pagedchat.model.gguf.reader import GGMLType as T
+from pagedchat.native.step import GGML_BLOCKS
 
-# the block formats decode.c dequantizes (the float ones are a view and a cast in torch already)
-TYPES = frozenset(int(t) for t in (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-                                   T.Q6_K))
+# the block formats decode.c dequantizes: those its step multiplies (the float ones are a view and a cast in
+# torch already)
+TYPES = GGML_BLOCKS
 
 
 def dequantize(lib: ctypes.CDLL, blocks: torch.Tensor, qtype: int, values: torch.Tensor) -> bool:

@@ -108,7 +108,8 @@ class ModelRunner:
                                      self._layer_groups()):
                 self._native_next_try = 0.0
                 self._bind_native()
-            self._dequantize_natively()
+            else:
+                self._dequantize_natively()
 
     def _graphs_wanted(self, config: EngineConfig) -> bool:
         """CUDA graphs of the decode step: on CUDA unless turned off (a quantized pool too: the v2 Triton kernels
@@ -279,9 +280,13 @@ class ModelRunner:
 
     def _dequantize_natively(self) -> None:
         """Once the native library is loaded, GGUF layers on the torch path are dequantized by it (the same
-        weights bit for bit, in a fraction of the time: pagedchat/native/dequantize.py)."""
+        weights bit for bit, in a fraction of the time: pagedchat/native/dequantize.py). A model without GGUF
+        layers neither needs it nor starts a build for it."""
+        from pagedchat.model.gguf.linear import GGUFLinear
         from pagedchat.native import build, dequantize
 
+        if not any(isinstance(m, GGUFLinear) for m in self.model.modules()):
+            return
         lib = build.load()
         if lib is not None:
             dequantize.install(lib)
