@@ -1085,6 +1085,247 @@ static __attribute__((noinline)) void tile_ggml_any(int64_t type, const uint8_t 
     case GGML_Q6_K: Q_DISPATCH(tile_q6_k) break;
     }
 }
+
+/* ---- GGUF formats at batch: one output row per vector lane -------------------------------------------------
+ * With several sequences the tiles above spend most of their instructions per (row, sequence, block): a
+ * conversion, a scale and a share of a horizontal sum for every 32 products. Here each lane of a vector is an
+ * output row instead. A block's weights of RL rows are unpacked once into 8 vectors, vector j holding values
+ * 4j .. 4j + 3 of every row; each sequence's block then meets them in 8 dot-product instructions whose 4-byte
+ * operand is its own, broadcast, and one conversion and one scale serve RL rows. The 32-value formats gather
+ * their fields from the RL rows and unpack them there; the K-quants' blocks are unpacked row by row (the
+ * unpackers above) and transposed. VPDPBUSD multiplies unsigned bytes by signed ones: the weights take the
+ * unsigned side, signed ones as w + 128, which takes 128 x the input block's sum off again. Needs VNNI: without
+ * it a 4-byte dot product costs three instructions, and the per-row tiles above are as fast. */
+/* 4 input bytes as one int32, read where they lie (the dot product's broadcast operand, folded into it) */
+typedef int32_t i32u __attribute__((may_alias, aligned(1)));
+#if defined(__AVX512VNNI__) && X86_512
+#define RL 16
+typedef __m512i rl_i;
+typedef __m512 rl_f;
+INLINE rl_i rl_dot(rl_i acc, rl_i w, const int8_t *x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*(const i32u *)x)); }
+INLINE rl_i rl_set1(int32_t v) { return _mm512_set1_epi32(v); }
+INLINE rl_i rl_add(rl_i a, rl_i b) { return _mm512_add_epi32(a, b); }
+INLINE rl_i rl_and(rl_i a, rl_i b) { return _mm512_and_si512(a, b); }
+INLINE rl_i rl_or(rl_i a, rl_i b) { return _mm512_or_si512(a, b); }
+INLINE rl_i rl_xor(rl_i a, rl_i b) { return _mm512_xor_si512(a, b); }
+INLINE rl_i rl_shr(rl_i a, int n) { return _mm512_srli_epi32(a, n); }
+INLINE rl_i rl_mullo(rl_i a, rl_i b) { return _mm512_mullo_epi32(a, b); }
+INLINE rl_i rl_lane_index(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+INLINE rl_i rl_min(rl_i a, rl_i b) { return _mm512_min_epi32(a, b); }
+/* the 4 bytes at base + at[lane] (any alignment) */
+INLINE rl_i rl_gather(const void *base, rl_i at) { return _mm512_i32gather_epi32(at, base, 1); }
+/* the float16 in the low half of each lane, as float */
+INLINE rl_f rl_half_low(rl_i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+INLINE rl_f rl_cvt(rl_i v) { return _mm512_cvtepi32_ps(v); }
+INLINE rl_f rl_fma(rl_f a, rl_f b, rl_f c) { return _mm512_fmadd_ps(a, b, c); }
+INLINE rl_f rl_mul(rl_f a, rl_f b) { return _mm512_mul_ps(a, b); }
+INLINE rl_f rl_setf(float v) { return _mm512_set1_ps(v); }
+INLINE rl_f rl_load(const float *p) { return _mm512_load_ps(p); }
+INLINE void rl_put(float *p, rl_f v) { _mm512_store_ps(p, v); }
+#elif (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define RL 8
+typedef __m256i rl_i;
+typedef __m256 rl_f;
+INLINE rl_i rl_dot(rl_i acc, rl_i w, const int8_t *x) { return dot_acc_u8i8(acc, w, _mm256_set1_epi32(*(const i32u *)x)); }
+INLINE rl_i rl_set1(int32_t v) { return _mm256_set1_epi32(v); }
+INLINE rl_i rl_add(rl_i a, rl_i b) { return _mm256_add_epi32(a, b); }
+INLINE rl_i rl_and(rl_i a, rl_i b) { return _mm256_and_si256(a, b); }
+INLINE rl_i rl_or(rl_i a, rl_i b) { return _mm256_or_si256(a, b); }
+INLINE rl_i rl_xor(rl_i a, rl_i b) { return _mm256_xor_si256(a, b); }
+INLINE rl_i rl_shr(rl_i a, int n) { return _mm256_srli_epi32(a, n); }
+INLINE rl_i rl_mullo(rl_i a, rl_i b) { return _mm256_mullo_epi32(a, b); }
+INLINE rl_i rl_lane_index(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+INLINE rl_i rl_min(rl_i a, rl_i b) { return _mm256_min_epi32(a, b); }
+INLINE rl_i rl_gather(const void *base, rl_i at) { return _mm256_i32gather_epi32((const int *)base, at, 1); }
+INLINE rl_f rl_half_low(rl_i v) {
+    const __m256i low = _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
+}
+INLINE rl_f rl_cvt(rl_i v) { return _mm256_cvtepi32_ps(v); }
+INLINE rl_f rl_fma(rl_f a, rl_f b, rl_f c) { return _mm256_fmadd_ps(a, b, c); }
+INLINE rl_f rl_mul(rl_f a, rl_f b) { return _mm256_mul_ps(a, b); }
+INLINE rl_f rl_setf(float v) { return _mm256_set1_ps(v); }
+INLINE rl_f rl_load(const float *p) { return _mm256_load_ps(p); }
+INLINE void rl_put(float *p, rl_f v) { _mm256_store_ps(p, v); }
+#endif
+
+#if defined(RL)
+#if !defined(PC_RL_NB)
+#define PC_RL_NB 16
+#endif
+#define RL_NB PC_RL_NB  /* sequences a tile: the weights of a tile are unpacked once for this many */
+#if !defined(PC_RL_MIN)
+#define PC_RL_MIN 4
+#endif
+#define RL_MIN PC_RL_MIN  /* the smallest batch that takes these tiles (fewer pay the unpacking for too few) */
+
+/* The sum of the first 16 of a block's 32 input bytes (a Q2_K, Q3_K or Q6_K scale covers 16 values). */
+INLINE int32_t half_sum(const int8_t *x) {
+    const __m128i biased = _mm_xor_si128(_mm_loadu_si128((const __m128i *)x), _mm_set1_epi8((char)0x80));
+    const __m128i sums = _mm_sad_epu8(biased, _mm_setzero_si128());
+    return _mm_cvtsi128_si32(sums) + _mm_extract_epi16(sums, 4) - 16 * 128;
+}
+
+/* Block k of RL rows as the tiles below take it: wt[j] = values 4j .. 4j + 3 of each row as unsigned bytes
+ * (signed formats: + 128), and per row the scale and min of values 0-15 (s[0], m[0]) and 16-31 (s[1], m[1]). */
+typedef struct {
+    rl_i wt[8];
+    rl_f s[2], m[2];
+} LaneBlock;
+
+/* Where a tile's rows are: the byte offset of each lane's row (lanes from R on repeat row R - 1), and for the
+ * K-quants their sub-block scales and a block's unpacked rows before the transposition. */
+typedef struct {
+    rl_i at;
+    int64_t row_bytes;
+    int R;
+    KScales ks[RL];
+    uint8_t rows[RL][QBLOCK] __attribute__((aligned(64)));
+    float s[2][RL] __attribute__((aligned(64))), m[2][RL] __attribute__((aligned(64)));
+} LaneRows;
+
+/* 16 bytes of nibbles at p in each row: low nibbles are values 0-15, high ones 16-31 */
+INLINE void lane_nibbles(const uint8_t *p, const LaneRows *lr, LaneBlock *lb) {
+    const rl_i low = rl_set1(0x0f0f0f0f);
+    for (int j = 0; j < 4; j++) {
+        const rl_i g = rl_gather(p + 4 * j, lr->at);
+        lb->wt[j] = rl_and(g, low), lb->wt[4 + j] = rl_and(rl_shr(g, 4), low);
+    }
+}
+/* Q5_0 and Q5_1's fifth bits (bit i of the u32 at p: value i) as 0x10 in the bytes of each wt[j]: bits 4j .. 4j+3
+ * spread to bytes 0-3 by one multiplication (shifts 4, 11, 18 and 25: no two copies overlap) */
+INLINE void lane_fifth_bits(const uint8_t *p, const LaneRows *lr, LaneBlock *lb) {
+    const rl_i bits = rl_gather(p, lr->at), four = rl_set1(0x0f), spread = rl_set1(0x02040810);
+    for (int j = 0; j < 8; j++)
+        lb->wt[j] = rl_or(lb->wt[j], rl_and(rl_mullo(rl_and(rl_shr(bits, 4 * j), four), spread), rl_set1(0x10101010)));
+}
+/* the float16 pair at p of each row (d, or d and m) */
+INLINE void lane_scale(const uint8_t *p, const LaneRows *lr, LaneBlock *lb, int has_min) {
+    const rl_i both = rl_gather(p, lr->at);
+    lb->s[0] = lb->s[1] = rl_half_low(both);
+    lb->m[0] = lb->m[1] = has_min ? rl_half_low(rl_shr(both, 16)) : rl_setf(0.f);
+}
+INLINE void lane_q8_0(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {  /* d | 32 int8 */
+    const uint8_t *b = w + k * 34;
+    for (int j = 0; j < 8; j++) lb->wt[j] = rl_xor(rl_gather(b + 2 + 4 * j, lr->at), rl_set1((int32_t)0x80808080));
+    lane_scale(b, lr, lb, 0);
+}
+INLINE void lane_q4_0(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {  /* d | nibbles */
+    const uint8_t *b = w + k * 18;
+    lane_nibbles(b + 2, lr, lb);
+    lane_scale(b, lr, lb, 0);
+}
+INLINE void lane_q4_1(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {  /* d, m | nibbles */
+    const uint8_t *b = w + k * 20;
+    lane_nibbles(b + 4, lr, lb);
+    lane_scale(b, lr, lb, 1);
+}
+INLINE void lane_q5_0(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {  /* d | fifth bits | nibbles */
+    const uint8_t *b = w + k * 22;
+    lane_nibbles(b + 6, lr, lb);
+    lane_fifth_bits(b + 2, lr, lb);
+    lane_scale(b, lr, lb, 0);
+}
+INLINE void lane_q5_1(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {  /* d, m | fifth bits | nibbles */
+    const uint8_t *b = w + k * 24;
+    lane_nibbles(b + 8, lr, lb);
+    lane_fifth_bits(b + 4, lr, lb);
+    lane_scale(b, lr, lb, 1);
+}
+/* The K-quants: each row's block by its unpacker (its super-block's scales decoded first), then transposed */
+#define LANE_BY_ROWS(NAME, PREP, UNPACK, BYTES256, WSIGNED)                                                   \
+    INLINE void NAME(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {                            \
+        if (k % 8 == 0)                                                                                     \
+            for (int r = 0; r < lr->R; r++) PREP(w + r * lr->row_bytes + k / 8 * BYTES256, &lr->ks[r]);     \
+        for (int r = 0; r < RL; r++) {                                                                      \
+            const int from = r < lr->R ? r : lr->R - 1;                                                     \
+            const WBlock wb = UNPACK(w + from * lr->row_bytes, k, &lr->ks[from]);                           \
+            _mm256_store_si256((__m256i *)lr->rows[r],                                                      \
+                               WSIGNED ? _mm256_xor_si256(wb.q, _mm256_set1_epi8((char)0x80)) : wb.q);      \
+            lr->s[0][r] = wb.s[0], lr->s[1][r] = wb.s[4], lr->m[0][r] = wb.m[0], lr->m[1][r] = wb.m[4];     \
+        }                                                                                                   \
+        const rl_i rows = rl_mullo(rl_lane_index(), rl_set1(QBLOCK));                                       \
+        for (int j = 0; j < 8; j++) lb->wt[j] = rl_gather(lr->rows, rl_add(rows, rl_set1(4 * j)));        \
+        for (int h = 0; h < 2; h++) lb->s[h] = rl_load(lr->s[h]), lb->m[h] = rl_load(lr->m[h]);             \
+    }
+LANE_BY_ROWS(lane_q2_k, prep_q2_k, wb_q2_k, 84, 0)
+LANE_BY_ROWS(lane_q3_k, prep_q3_k, wb_q3_k, 110, 1)
+LANE_BY_ROWS(lane_q4_k, prep_q4_k, wb_q4_k, 144, 0)
+LANE_BY_ROWS(lane_q5_k, prep_q4_k, wb_q5_k, 176, 0)
+LANE_BY_ROWS(lane_q6_k, prep_q6_k, wb_q6_k, 210, 1)
+
+/* out[b * RL + r] = sum over blocks of d[b, block] * (w[r, block] . q[b, block]) for R <= RL rows (row_bytes
+ * apart) and NB <= RL_NB inputs. LOAD unpacks a block of the rows; WSIGNED, OFFSET and WMIN mean what
+ * GGML_TILE's do, and HALVES says whether a block has one scale (1) or one per 16 values (2). */
+#define GGML_ROWS(NAME, LOAD, WSIGNED, OFFSET, WMIN, HALVES)                                                   \
+    static void NAME(const uint8_t *w, int64_t row_bytes, const Input *in_, int64_t b0, int64_t in, int R,    \
+                     int NB, float *out) {                                                                  \
+        const int64_t blocks = in / QBLOCK;                                                                 \
+        const int8_t *q = in_->q + b0 * in;                                                                 \
+        const float *d = in_->d + b0 * blocks;                                                              \
+        const int32_t *sum = in_->sum + b0 * blocks;                                                        \
+        LaneRows lr;                                                                                        \
+        lr.at = rl_mullo(rl_min(rl_lane_index(), rl_set1(R - 1)), rl_set1((int32_t)row_bytes));             \
+        lr.row_bytes = row_bytes, lr.R = R;                                                                 \
+        for (int b = 0; b < NB; b++) rl_put(out + b * RL, rl_setf(0.f));                                    \
+        for (int64_t k = 0; k < blocks; k++) {                                                              \
+            LaneBlock lb;                                                                                   \
+            LOAD(w, k, &lr, &lb);                                                                           \
+            for (int b = 0; b < NB; b++) {                                                                  \
+                const int8_t *xb = q + b * in + k * QBLOCK;                                                 \
+                const float xd = d[b * blocks + k];                                                         \
+                const int32_t xs = sum[b * blocks + k];                                                     \
+                rl_f a = rl_load(out + b * RL);                                                             \
+                if (HALVES == 1) {                                                                          \
+                    /* two chains of four: a chain of eight waits out eight latencies */                    \
+                    rl_i t = rl_set1(WSIGNED ? -128 * xs : -OFFSET * xs), u = rl_set1(0);                   \
+                    for (int j = 0; j < 4; j++) t = rl_dot(t, lb.wt[j], xb + 4 * j);                        \
+                    for (int j = 4; j < 8; j++) u = rl_dot(u, lb.wt[j], xb + 4 * j);                        \
+                    a = rl_fma(rl_cvt(rl_add(t, u)), rl_mul(lb.s[0], rl_setf(xd)), a);                      \
+                    if (WMIN) a = rl_fma(lb.m[0], rl_setf(xd * (float)xs), a);                              \
+                } else {                                                                                    \
+                    const int32_t h = half_sum(xb);                                                         \
+                    rl_i t0 = rl_set1(WSIGNED ? -128 * h : 0), t1 = rl_set1(WSIGNED ? -128 * (xs - h) : 0);  \
+                    for (int j = 0; j < 4; j++) t0 = rl_dot(t0, lb.wt[j], xb + 4 * j);                      \
+                    for (int j = 4; j < 8; j++) t1 = rl_dot(t1, lb.wt[j], xb + 4 * j);                      \
+                    a = rl_fma(rl_cvt(t0), rl_mul(lb.s[0], rl_setf(xd)), a);                                \
+                    a = rl_fma(rl_cvt(t1), rl_mul(lb.s[1], rl_setf(xd)), a);                                \
+                    if (WMIN) {                                                                             \
+                        a = rl_fma(lb.m[0], rl_setf(xd * (float)h), a);                                     \
+                        a = rl_fma(lb.m[1], rl_setf(xd * (float)(xs - h)), a);                              \
+                    }                                                                                       \
+                }                                                                                           \
+                rl_put(out + b * RL, a);                                                                    \
+            }                                                                                               \
+        }                                                                                                   \
+    }
+GGML_ROWS(rows_q8_0, lane_q8_0, 1, 0, 0, 1)
+GGML_ROWS(rows_q4_0, lane_q4_0, 0, 8, 0, 1)
+GGML_ROWS(rows_q4_1, lane_q4_1, 0, 0, 1, 1)
+GGML_ROWS(rows_q5_0, lane_q5_0, 0, 16, 0, 1)
+GGML_ROWS(rows_q5_1, lane_q5_1, 0, 0, 1, 1)
+GGML_ROWS(rows_q2_k, lane_q2_k, 0, 0, 2, 2)
+GGML_ROWS(rows_q3_k, lane_q3_k, 1, 0, 0, 2)
+GGML_ROWS(rows_q4_k, lane_q4_k, 0, 0, 1, 1)
+GGML_ROWS(rows_q5_k, lane_q5_k, 0, 0, 1, 1)
+GGML_ROWS(rows_q6_k, lane_q6_k, 1, 0, 0, 2)
+
+static void rows_ggml_any(int64_t type, const uint8_t *w, int64_t row_bytes, const Input *x, int64_t b0,
+                          int64_t in, int R, int NB, float *out) {
+    switch (type) {
+    case GGML_Q8_0: rows_q8_0(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q4_0: rows_q4_0(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q4_1: rows_q4_1(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q5_0: rows_q5_0(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q5_1: rows_q5_1(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q2_K: rows_q2_k(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q3_K: rows_q3_k(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q4_K: rows_q4_k(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q5_K: rows_q5_k(w, row_bytes, x, b0, in, R, NB, out); break;
+    case GGML_Q6_K: rows_q6_k(w, row_bytes, x, b0, in, R, NB, out); break;
+    }
+}
+#endif
 #else
 INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
     const int64_t blocks = in / QBLOCK;
@@ -1349,27 +1590,100 @@ INLINE Input input_for(const Linear *l, const float *x, int64_t B, const QuantBu
     return input;
 }
 
+#if defined(RL)
+/* Whether layer l takes the row-per-lane tiles at batch B: GGUF block formats (all its parts: step.py binds no
+ * mix of block and float formats) and enough sequences to share a tile's unpacking. */
+INLINE int rows_path(const Linear *l, int64_t B) {
+    return B >= RL_MIN && l->format > FMT_GGML && !ggml_float(l->format) && l->in % QBLOCK == 0;
+}
+
+/* out[b * RL + r] = rows r0 .. r0+R (R <= RL) of l (biased) against sequences b0 .. b0+NB; a tile across two
+ * parts of a layer runs as one tile per part, as tile() does. */
+static void rows_tile(const Linear *l, int64_t r0, int R, const Input *input, int64_t b0, int NB, float *out) {
+    float part_out[RL_NB * RL] __attribute__((aligned(64)));
+    const Linear *part = l;
+    int64_t at = r0;
+    for (int done = 0; done < R;) {
+        while (at >= part->rows) at -= part->rows, part = part->next;
+        const int n = (int)(R - done < part->rows - at ? R - done : part->rows - at);
+        const int64_t type = part->format - FMT_GGML, row_bytes = ggml_row_bytes(type, l->in);
+        const uint8_t *w = (const uint8_t *)part->weight + at * row_bytes;
+        if (n == R) {
+            rows_ggml_any(type, w, row_bytes, input, b0, l->in, n, NB, out);
+        } else {
+            rows_ggml_any(type, w, row_bytes, input, b0, l->in, n, NB, part_out);
+            for (int b = 0; b < NB; b++) memcpy(out + b * RL + done, part_out + b * RL, n * sizeof(float));
+        }
+        done += n, at += n;
+    }
+    if (l->bias)
+        for (int b = 0; b < NB; b++)
+            for (int r = 0; r < R; r++) out[b * RL + r] += l->bias[r0 + r];
+}
+
+#endif
+
+/* How a layer's tiles run at batch B: rows and sequences a tile, and where result (row r, sequence b) lands in a
+ * tile's output: per-row tiles (tile(), acc[r * MAX_NB + b]) or row-per-lane ones (rows_tile(), acc[b * RL + r]). */
+typedef struct {
+    int rows, seqs, by_lane;
+    int64_t rstride, bstride;
+} TileKind;
+
+#if defined(RL)
+#define TILE_ACC (RL * RL_NB > ACC_ROWS * MAX_NB ? RL * RL_NB : ACC_ROWS * MAX_NB)
+#define TILE_ROWS (RL > ACC_ROWS ? RL : ACC_ROWS)
+#else
+#define TILE_ACC (ACC_ROWS * MAX_NB)
+#define TILE_ROWS ACC_ROWS
+#endif
+
+INLINE TileKind tile_kind(const Linear *l, int64_t B) {
+#if defined(RL)
+    if (rows_path(l, B)) {
+        const TileKind k = {RL, RL_NB, 1, 1, RL};
+        return k;
+    }
+#endif
+    TileKind k = {0, 0, 0, MAX_NB, 1};
+    tile_shape(l, B, &k.rows, &k.seqs);
+    return k;
+}
+
+INLINE void run_tile(const TileKind *k, const Linear *l, int64_t r0, int R, const Input *input, int64_t b0, int NB,
+                     float *acc) {
+#if defined(RL)
+    if (k->by_lane) {
+        rows_tile(l, r0, R, input, b0, NB, acc);
+        return;
+    }
+#endif
+    (void)k;
+    tile(l, r0, R, input, b0, NB, acc);
+}
+
 /* y [B, out] = x [B, in] @ w.T (+ bias), or y += that (the residual stream) when accumulate; the tiles this
  * thread claims. */
 static void linear(const Team *team, const Linear *l, const float *x, int64_t B, float *y, int accumulate,
                    const QuantBuffers *buf) {
     const Input input = input_for(l, x, B, buf);
-    int rows, seqs;
-    tile_shape(l, B, &rows, &seqs);
+    const TileKind k = tile_kind(l, B);
     int64_t lo, hi;
-    while (claim(team, (l->out + rows - 1) / rows, &lo, &hi)) {
+    while (claim(team, (l->out + k.rows - 1) / k.rows, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
-            const int64_t r0 = t * rows;
-            const int R = l->out - r0 < rows ? (int)(l->out - r0) : rows;
-            for (int64_t b0 = 0; b0 < B; b0 += seqs) {
-                const int NB = B - b0 < seqs ? (int)(B - b0) : seqs;
-                float acc[ACC_ROWS * MAX_NB];
-                tile(l, r0, R, &input, b0, NB, acc);
-                for (int r = 0; r < R; r++)
-                    for (int b = 0; b < NB; b++) {
-                        float *out = y + (b0 + b) * l->out + r0 + r;
-                        *out = accumulate ? *out + acc[r * MAX_NB + b] : acc[r * MAX_NB + b];
+            const int64_t r0 = t * k.rows;
+            const int R = l->out - r0 < k.rows ? (int)(l->out - r0) : k.rows;
+            for (int64_t b0 = 0; b0 < B; b0 += k.seqs) {
+                const int NB = B - b0 < k.seqs ? (int)(B - b0) : k.seqs;
+                float acc[TILE_ACC] __attribute__((aligned(64)));
+                run_tile(&k, l, r0, R, &input, b0, NB, acc);
+                for (int b = 0; b < NB; b++) {
+                    float *out = y + (b0 + b) * l->out + r0;
+                    for (int r = 0; r < R; r++) {
+                        const float v = acc[r * k.rstride + b * k.bstride];
+                        out[r] = accumulate ? out[r] + v : v;
                     }
+                }
             }
         }
     }
@@ -1377,33 +1691,68 @@ static void linear(const Team *team, const Linear *l, const float *x, int64_t B,
 
 /* act [B, I] = silu(gate) * up (or gelu), with gate and up the two halves of l's rows: a thread computes the gate rows
  * and the matching up rows of a tile together, so the activation needs no second pass. */
-/* GELU, tanh approximation, as torch computes it: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))). */
-INLINE float gelu_tanh(float x) {
-    const float beta = 0.7978845608028654f, kappa = 0.044715f;
-    return 0.5f * x * (1.f + tanhf(beta * (x + kappa * x * x * x)));
+/* e^x for x <= 0 (a score minus its row's maximum), VW at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
+ * Cephes' expf polynomial, 2^n put into the exponent. Within 2 ulp of expf (the tests hold the step to the torch
+ * path at 1e-4); below -87 it returns ~1e-38 where expf underflows to 0, both nothing beside the row's 1. */
+INLINE vf exp_nonpositive(vf x) {
+    typedef int32_t vi __attribute__((vector_size(4 * VW)));
+    const vi low = x < -87.f;
+    x = (vf)((low & (vi)((vf){0} - 87.f)) | (~low & (vi)x));
+    const vf shift = (vf){0} + 12582912.f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
+    const vf t = x * 1.44269504088896341f + shift, n = t - shift;
+    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln 2 in two parts: n ln 2 exactly */
+    vf poly = (vf){0} + 1.9875691500e-4f;
+    poly = poly * r + 1.3981999507e-3f;
+    poly = poly * r + 8.3334519073e-3f;
+    poly = poly * r + 4.1665795894e-2f;
+    poly = poly * r + 1.6666665459e-1f;
+    poly = poly * r + 5.0000001201e-1f;
+    poly = poly * (r * r) + r + 1.f;
+    const vi exponent = ((vi)t - (vi)shift) << 23;
+    return (vf)((vi)poly + exponent);
+}
+
+/* out[i] = act(g[i]) * up[i] for n values, act SiLU or GELU (tanh approximation, as torch computes it:
+ * 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))). Both are x * sigmoid(y), y = x for SiLU and
+ * 2 sqrt(2 / pi) (x + 0.044715 x^3) for GELU, and sigmoid(y) = 1 / (1 + e^-|y|) or e^-|y| / (1 + e^-|y|) by y's
+ * sign: VW at a time on exp_nonpositive (libm's tanhf and expf, one call per value, were a tenth of a 16-sequence
+ * Gemma 3 step). A last part of fewer than VW values runs as a whole vector, padded with zeros. */
+static void gate_times_up(const float *g, const float *up, int64_t n, float *out, int gelu) {
+    typedef int32_t vi __attribute__((vector_size(4 * VW)));
+    const float beta2 = 2.f * 0.7978845608028654f, kappa = 0.044715f;
+    for (int64_t i = 0; i < n; i += VW) {
+        const int64_t m = n - i < VW ? n - i : VW;
+        float gs[VW] = {0}, us[VW] = {0}, o[VW];
+        memcpy(gs, g + i, m * sizeof(float)), memcpy(us, up + i, m * sizeof(float));
+        const vf x = loadv(gs), y = gelu ? beta2 * (x + kappa * x * x * x) : x;
+        const vi negative = y < 0.f;
+        const vf e = exp_nonpositive((vf)((vi)y | ((vi){0} + INT32_MIN)));   /* e^-|y|: y with its sign bit set */
+        const vf sig = (vf)((negative & (vi)(e / (1.f + e))) | (~negative & (vi)(1.f / (1.f + e))));
+        storev(o, x * sig * loadv(us));
+        memcpy(out + i, o, m * sizeof(float));
+    }
 }
 
 static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act, int gelu,
                          const QuantBuffers *buf) {
     const Input input = input_for(l, x, B, buf);
     const int64_t I = l->out / 2;
-    int rows, seqs;
-    tile_shape(l, B, &rows, &seqs);
+    const TileKind k = tile_kind(l, B);
     int64_t lo, hi;
-    while (claim(team, (I + rows - 1) / rows, &lo, &hi)) {
+    while (claim(team, (I + k.rows - 1) / k.rows, &lo, &hi)) {
         for (int64_t t = lo; t < hi; t++) {
-            const int64_t r0 = t * rows;
-            const int R = I - r0 < rows ? (int)(I - r0) : rows;
-            for (int64_t b0 = 0; b0 < B; b0 += seqs) {
-                const int NB = B - b0 < seqs ? (int)(B - b0) : seqs;
-                float gate[ACC_ROWS * MAX_NB], up[ACC_ROWS * MAX_NB];
-                tile(l, r0, R, &input, b0, NB, gate);
-                tile(l, I + r0, R, &input, b0, NB, up);
-                for (int r = 0; r < R; r++)
-                    for (int b = 0; b < NB; b++) {
-                        const float g = gate[r * MAX_NB + b];
-                        act[(b0 + b) * I + r0 + r] = (gelu ? gelu_tanh(g) : g / (1.f + expf(-g))) * up[r * MAX_NB + b];
-                    }
+            const int64_t r0 = t * k.rows;
+            const int R = I - r0 < k.rows ? (int)(I - r0) : k.rows;
+            for (int64_t b0 = 0; b0 < B; b0 += k.seqs) {
+                const int NB = B - b0 < k.seqs ? (int)(B - b0) : k.seqs;
+                float gate[TILE_ACC] __attribute__((aligned(64))), up[TILE_ACC] __attribute__((aligned(64)));
+                run_tile(&k, l, r0, R, &input, b0, NB, gate);
+                run_tile(&k, l, I + r0, R, &input, b0, NB, up);
+                for (int b = 0; b < NB; b++) {
+                    float g[TILE_ROWS], u[TILE_ROWS];   /* sequence b's row of the tile */
+                    for (int r = 0; r < R; r++) g[r] = gate[r * k.rstride + b * k.bstride], u[r] = up[r * k.rstride + b * k.bstride];
+                    gate_times_up(g, u, R, act + (b0 + b) * I + r0, gelu);
+                }
             }
         }
     }
@@ -1535,27 +1884,6 @@ static void score(const Pool *k, const int32_t *table, int64_t bs, int64_t start
             }
         }
     }
-}
-
-/* e^x for x <= 0 (a score minus its row's maximum), VW at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
- * Cephes' expf polynomial, 2^n put into the exponent. Within 2 ulp of expf (the tests hold the step to the torch
- * path at 1e-4); below -87 it returns ~1e-38 where expf underflows to 0, both nothing beside the row's 1. */
-INLINE vf exp_nonpositive(vf x) {
-    typedef int32_t vi __attribute__((vector_size(4 * VW)));
-    const vi low = x < -87.f;
-    x = (vf)((low & (vi)((vf){0} - 87.f)) | (~low & (vi)x));
-    const vf shift = (vf){0} + 12582912.f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
-    const vf t = x * 1.44269504088896341f + shift, n = t - shift;
-    const vf r = (x - n * 0.693359375f) + n * 2.12194440e-4f;  /* ln 2 in two parts: n ln 2 exactly */
-    vf poly = (vf){0} + 1.9875691500e-4f;
-    poly = poly * r + 1.3981999507e-3f;
-    poly = poly * r + 8.3334519073e-3f;
-    poly = poly * r + 4.1665795894e-2f;
-    poly = poly * r + 1.6666665459e-1f;
-    poly = poly * r + 5.0000001201e-1f;
-    poly = poly * (r * r) + r + 1.f;
-    const vi exponent = ((vi)t - (vi)shift) << 23;
-    return (vf)((vi)poly + exponent);
 }
 
 INLINE vf vmax(vf a, vf b) {
@@ -1871,7 +2199,12 @@ API int64_t pc_sizeof_model(void) { return sizeof(Model); }
 API int64_t pc_sizeof_layer(void) { return sizeof(Layer); }
 /* What this build was compiled for: the vector ISA and the linear layers' tile shape. */
 API const char *pc_build_info(void) {
+#if defined(RL)
+    return ISA_NAME " vw=" STR(VW) " tile=" STR(TILE_R) "x" STR(MAX_NB) " rows1=" STR(ROWS_1) " lanes=" STR(RL) "x"
+        STR(RL_NB) " from " STR(RL_MIN);
+#else
     return ISA_NAME " vw=" STR(VW) " tile=" STR(TILE_R) "x" STR(MAX_NB) " rows1=" STR(ROWS_1);
+#endif
 }
 
 /* ---- GGUF blocks -> float32, for the torch path -----------------------------------------------------------

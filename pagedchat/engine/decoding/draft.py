@@ -26,6 +26,7 @@ from pagedchat.engine.core.config import EngineConfig
 from pagedchat.engine.core.runner import ModelRunner
 from pagedchat.engine.core.scheduler import ScheduledBatch, Scheduler
 from pagedchat.engine.core.sequence import Sequence, SeqStatus
+from pagedchat.engine.decoding.sampler import first_max
 from pagedchat.errors import UserError
 from pagedchat.model.loader import LoadedModel, load_model
 
@@ -151,7 +152,7 @@ class DraftProposer:
         logits, samplers = self.runner.run(batch)
         for seq, n in batch.items:
             seq.num_computed += n
-        for seq, token in zip(samplers, logits.argmax(dim=-1).tolist()):
+        for seq, token in zip(samplers, first_max(logits).tolist()):
             seq.token_ids.append(token)
 
     def _drafts(self, shadow: Shadow, k: int) -> list[int]:

@@ -210,7 +210,7 @@ class Sampler:
         if rows.random is None:                    # every row samples
             tokens = self._sample(logits, rows)
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = first_max(logits)
             if rows.random.numel():
                 tokens[rows.random] = self._sample(logits[rows.random], rows)
         self.state.note_sampled(seqs, rows, tokens)
@@ -252,10 +252,16 @@ def _race(probs: torch.Tensor, generators: list[torch.Generator], seeded: list[i
           unseeded: torch.Tensor | None) -> torch.Tensor:
     """argmax(p / E): the unseeded rows' noise in one draw, each seeded row's from its own generator."""
     if not seeded:
-        return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+        return first_max(probs / torch.empty_like(probs).exponential_())
     noise = torch.empty_like(probs)
     if unseeded.numel():
         noise[unseeded] = torch.empty((unseeded.numel(), probs.shape[1]), device=probs.device).exponential_()
     for i, gen in zip(seeded, generators):
         noise[i].exponential_(generator=gen)
-    return (probs / noise).argmax(dim=-1)
+    return first_max(probs / noise)
+
+
+def first_max(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (its first maximum; a NaN wins, as in argmax). torch.max's indices: the same answer,
+    faster than argmax on CPU (16 rows of Gemma 3's 262,144 logits, fp32, one thread: 6.2 ms against 8.8)."""
+    return torch.max(x, dim=-1).indices

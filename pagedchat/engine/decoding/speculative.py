@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedchat.engine.decoding.sampler import Sampler, exponential_race
+from pagedchat.engine.decoding.sampler import Sampler, exponential_race, first_max
 from pagedchat.engine.core.sequence import Sequence, SeqStatus
 
 MAX_N = 4            # longest n-gram looked up (then shorter ones)
@@ -339,7 +339,7 @@ class Speculator:
         sampled = [v for v in verified if not v[0].request.params.greedy]
         results = {}
         if greedy:
-            targets = logits[_rows(greedy, logits.device)].argmax(dim=-1).tolist()
+            targets = first_max(logits[_rows(greedy, logits.device)]).tolist()
             r = 0
             for seq, _, n in greedy:
                 results[seq.seq_id] = _accept_greedy(targets[r:r + n], seq.draft_ids)
