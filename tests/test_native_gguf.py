@@ -158,7 +158,7 @@ def check_layer(layer: GGUFLinear, lib, g: torch.Generator) -> None:
     from pagedchat.native.step import run_linear
 
     weight = reference_weight(layer)
-    for batch in (1, 3, 16):   # a ROWS_1 tile; one partial tile of inputs; several full and partial ones
+    for batch in (1, 2, 3, 16):   # a ROWS_1 tile; partial tiles of inputs (row-per-lane from 2 or 3); full ones
         x = awkward_inputs(batch, layer.in_features, g)
         assert_twin_close(run_linear(layer, x, lib), twin(layer, x, weight))
 

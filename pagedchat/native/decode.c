@@ -1093,21 +1093,21 @@ static __attribute__((noinline)) void tile_ggml_any(int64_t type, const uint8_t 
  * 4j .. 4j + 3 of every row; each sequence's block then meets them in 8 dot-product instructions whose 4-byte
  * operand is its own, broadcast, and one conversion and one scale serve RL rows. The 32-value formats gather
  * their fields from the RL rows and unpack them there; the K-quants' blocks are unpacked row by row (the
- * unpackers above) and transposed. VPDPBUSD multiplies unsigned bytes by signed ones: the weights take the
- * unsigned side, signed ones as w + 128, which takes 128 x the input block's sum off again. Needs VNNI: without
- * it a 4-byte dot product costs three instructions, and the per-row tiles above are as fast. */
+ * unpackers above) and transposed. The weights take the unsigned side of the byte dot products (rl_dots4):
+ * AVX-512 with VNNI runs 16 rows a vector, AVX2 8 (with AVX-VNNI's instruction, or two: VPMADDUBSW, VPMADDWD). */
 /* 4 input bytes as one int32, read where they lie (the dot product's broadcast operand, folded into it) */
 typedef int32_t i32u __attribute__((may_alias, aligned(1)));
 #if defined(__AVX512VNNI__) && X86_512
 #define RL 16
+#define RL_VNNI 1
 typedef __m512i rl_i;
 typedef __m512 rl_f;
-INLINE rl_i rl_dot(rl_i acc, rl_i w, const int8_t *x) { return _mm512_dpbusd_epi32(acc, w, _mm512_set1_epi32(*(const i32u *)x)); }
 INLINE rl_i rl_set1(int32_t v) { return _mm512_set1_epi32(v); }
 INLINE rl_i rl_add(rl_i a, rl_i b) { return _mm512_add_epi32(a, b); }
 INLINE rl_i rl_and(rl_i a, rl_i b) { return _mm512_and_si512(a, b); }
 INLINE rl_i rl_or(rl_i a, rl_i b) { return _mm512_or_si512(a, b); }
 INLINE rl_i rl_xor(rl_i a, rl_i b) { return _mm512_xor_si512(a, b); }
+INLINE rl_i rl_abs8(rl_i a) { return _mm512_abs_epi8(a); }
 INLINE rl_i rl_shr(rl_i a, int n) { return _mm512_srli_epi32(a, n); }
 INLINE rl_i rl_mullo(rl_i a, rl_i b) { return _mm512_mullo_epi32(a, b); }
 INLINE rl_i rl_lane_index(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
@@ -1122,11 +1122,16 @@ INLINE rl_f rl_mul(rl_f a, rl_f b) { return _mm512_mul_ps(a, b); }
 INLINE rl_f rl_setf(float v) { return _mm512_set1_ps(v); }
 INLINE rl_f rl_load(const float *p) { return _mm512_load_ps(p); }
 INLINE void rl_put(float *p, rl_f v) { _mm512_store_ps(p, v); }
-#elif (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#else
+/* AVX2: 8 rows a vector, with VNNI's 256-bit dot product where there is one, else VPMADDUBSW's (see rl_dots4) */
 #define RL 8
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define RL_VNNI 1
+#else
+#define RL_VNNI 0
+#endif
 typedef __m256i rl_i;
 typedef __m256 rl_f;
-INLINE rl_i rl_dot(rl_i acc, rl_i w, const int8_t *x) { return dot_acc_u8i8(acc, w, _mm256_set1_epi32(*(const i32u *)x)); }
 INLINE rl_i rl_set1(int32_t v) { return _mm256_set1_epi32(v); }
 INLINE rl_i rl_add(rl_i a, rl_i b) { return _mm256_add_epi32(a, b); }
 INLINE rl_i rl_and(rl_i a, rl_i b) { return _mm256_and_si256(a, b); }
@@ -1134,6 +1139,7 @@ INLINE rl_i rl_or(rl_i a, rl_i b) { return _mm256_or_si256(a, b); }
 INLINE rl_i rl_xor(rl_i a, rl_i b) { return _mm256_xor_si256(a, b); }
 INLINE rl_i rl_shr(rl_i a, int n) { return _mm256_srli_epi32(a, n); }
 INLINE rl_i rl_mullo(rl_i a, rl_i b) { return _mm256_mullo_epi32(a, b); }
+INLINE rl_i rl_abs8(rl_i a) { return _mm256_abs_epi8(a); }
 INLINE rl_i rl_lane_index(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
 INLINE rl_i rl_min(rl_i a, rl_i b) { return _mm256_min_epi32(a, b); }
 INLINE rl_i rl_gather(const void *base, rl_i at) { return _mm256_i32gather_epi32((const int *)base, at, 1); }
@@ -1154,10 +1160,15 @@ INLINE void rl_put(float *p, rl_f v) { _mm256_store_ps(p, v); }
 #define PC_RL_NB 16
 #endif
 #define RL_NB PC_RL_NB  /* sequences a tile: the weights of a tile are unpacked once for this many */
+/* The smallest batch that takes these tiles: the 32-value formats from 2 sequences, the K-quants (unpacked row by
+ * row, then transposed) from 3. Measured on Gemma 3 270M's layers (Q8_0 16384 x 640, Q5_0 2048 x 640, Q4_K
+ * 640 x 1024, Q6_K 640 x 2048), one thread, AVX-512, time per sequence against batch 1's: at 2 sequences Q8_0
+ * and Q5_0 took 0.43-0.67 here against 0.71-0.81 on the per-row tiles, the K-quants 0.59-0.83 against 0.66-0.91
+ * (a draw); from 3 every format, 0.33-0.58 against 0.56-0.74. */
 #if !defined(PC_RL_MIN)
-#define PC_RL_MIN 4
+#define PC_RL_MIN 2
 #endif
-#define RL_MIN PC_RL_MIN  /* the smallest batch that takes these tiles (fewer pay the unpacking for too few) */
+#define RL_MIN PC_RL_MIN
 
 /* The sum of the first 16 of a block's 32 input bytes (a Q2_K, Q3_K or Q6_K scale covers 16 values). */
 INLINE int32_t half_sum(const int8_t *x) {
@@ -1170,8 +1181,50 @@ INLINE int32_t half_sum(const int8_t *x) {
  * (signed formats: + 128), and per row the scale and min of values 0-15 (s[0], m[0]) and 16-31 (s[1], m[1]). */
 typedef struct {
     rl_i wt[8];
+#if !RL_VNNI
+    rl_i wabs[8];  /* signed formats: |wt|, VPMADDUBSW's unsigned side (rl_dots4) */
+#endif
     rl_f s[2], m[2];
 } LaneBlock;
+
+/* A signed format's block as rl_dots4 takes it: with VNNI w + 128 (unsigned, the dot product's 128 x the
+ * input's sum taken off again by the caller); without, |w| beside w (the sign trick: |w| . (x * sign(w))). */
+INLINE void rl_signed(LaneBlock *lb) {
+    for (int j = 0; j < 8; j++)
+#if RL_VNNI
+        lb->wt[j] = rl_xor(lb->wt[j], rl_set1((int32_t)0x80808080));
+#else
+        lb->wabs[j] = rl_abs8(lb->wt[j]);
+#endif
+}
+
+/* t + the dot products of values 4 j0 .. 4 j0 + 15 of each row with the input block xb's, every lane exact.
+ * VNNI: one VPDPBUSD per 4 values, the input's 4 bytes broadcast. Without: VPMADDUBSW's pairs are int16 and
+ * saturate, so `group` (1, 2 or 4) of them are summed before VPMADDWD widens them: as many as a weight of at most
+ * WMAX allows (group x 2 x WMAX x 127 <= 32767; Q8_0's -128 allows one). */
+INLINE rl_i rl_dots4(rl_i t, const LaneBlock *lb, const int8_t *xb, int j0, int wsigned, int group) {
+#if RL_VNNI
+    (void)wsigned, (void)group;
+    for (int j = j0; j < j0 + 4; j++) {
+#if RL == 16
+        t = _mm512_dpbusd_epi32(t, lb->wt[j], _mm512_set1_epi32(*(const i32u *)(xb + 4 * j)));
+#else
+        t = dot_acc_u8i8(t, lb->wt[j], _mm256_set1_epi32(*(const i32u *)(xb + 4 * j)));
+#endif
+    }
+#else
+    for (int g = j0; g < j0 + 4; g += group) {
+        __m256i pairs = _mm256_setzero_si256();
+        for (int j = g; j < g + group; j++) {
+            const __m256i x = _mm256_set1_epi32(*(const i32u *)(xb + 4 * j));
+            pairs = _mm256_add_epi16(pairs, wsigned ? _mm256_maddubs_epi16(lb->wabs[j], _mm256_sign_epi8(x, lb->wt[j]))
+                                                    : _mm256_maddubs_epi16(lb->wt[j], x));
+        }
+        t = _mm256_add_epi32(t, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    }
+#endif
+    return t;
+}
 
 /* Where a tile's rows are: the byte offset of each lane's row (lanes from R on repeat row R - 1), and for the
  * K-quants their sub-block scales and a block's unpacked rows before the transposition. */
@@ -1207,7 +1260,7 @@ INLINE void lane_scale(const uint8_t *p, const LaneRows *lr, LaneBlock *lb, int 
 }
 INLINE void lane_q8_0(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {  /* d | 32 int8 */
     const uint8_t *b = w + k * 34;
-    for (int j = 0; j < 8; j++) lb->wt[j] = rl_xor(rl_gather(b + 2 + 4 * j, lr->at), rl_set1((int32_t)0x80808080));
+    for (int j = 0; j < 8; j++) lb->wt[j] = rl_gather(b + 2 + 4 * j, lr->at);
     lane_scale(b, lr, lb, 0);
 }
 INLINE void lane_q4_0(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {  /* d | nibbles */
@@ -1233,37 +1286,37 @@ INLINE void lane_q5_1(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) 
     lane_scale(b, lr, lb, 1);
 }
 /* The K-quants: each row's block by its unpacker (its super-block's scales decoded first), then transposed */
-#define LANE_BY_ROWS(NAME, PREP, UNPACK, BYTES256, WSIGNED)                                                   \
+#define LANE_BY_ROWS(NAME, PREP, UNPACK, BYTES256)                                                            \
     INLINE void NAME(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {                            \
         if (k % 8 == 0)                                                                                     \
             for (int r = 0; r < lr->R; r++) PREP(w + r * lr->row_bytes + k / 8 * BYTES256, &lr->ks[r]);     \
         for (int r = 0; r < RL; r++) {                                                                      \
             const int from = r < lr->R ? r : lr->R - 1;                                                     \
             const WBlock wb = UNPACK(w + from * lr->row_bytes, k, &lr->ks[from]);                           \
-            _mm256_store_si256((__m256i *)lr->rows[r],                                                      \
-                               WSIGNED ? _mm256_xor_si256(wb.q, _mm256_set1_epi8((char)0x80)) : wb.q);      \
+            _mm256_store_si256((__m256i *)lr->rows[r], wb.q);                                               \
             lr->s[0][r] = wb.s[0], lr->s[1][r] = wb.s[4], lr->m[0][r] = wb.m[0], lr->m[1][r] = wb.m[4];     \
         }                                                                                                   \
         const rl_i rows = rl_mullo(rl_lane_index(), rl_set1(QBLOCK));                                       \
         for (int j = 0; j < 8; j++) lb->wt[j] = rl_gather(lr->rows, rl_add(rows, rl_set1(4 * j)));        \
         for (int h = 0; h < 2; h++) lb->s[h] = rl_load(lr->s[h]), lb->m[h] = rl_load(lr->m[h]);             \
     }
-LANE_BY_ROWS(lane_q2_k, prep_q2_k, wb_q2_k, 84, 0)
-LANE_BY_ROWS(lane_q3_k, prep_q3_k, wb_q3_k, 110, 1)
-LANE_BY_ROWS(lane_q4_k, prep_q4_k, wb_q4_k, 144, 0)
-LANE_BY_ROWS(lane_q5_k, prep_q4_k, wb_q5_k, 176, 0)
-LANE_BY_ROWS(lane_q6_k, prep_q6_k, wb_q6_k, 210, 1)
+LANE_BY_ROWS(lane_q2_k, prep_q2_k, wb_q2_k, 84)
+LANE_BY_ROWS(lane_q3_k, prep_q3_k, wb_q3_k, 110)
+LANE_BY_ROWS(lane_q4_k, prep_q4_k, wb_q4_k, 144)
+LANE_BY_ROWS(lane_q5_k, prep_q4_k, wb_q5_k, 176)
+LANE_BY_ROWS(lane_q6_k, prep_q6_k, wb_q6_k, 210)
 
 /* out[b * RL + r] = sum over blocks of d[b, block] * (w[r, block] . q[b, block]) for R <= RL rows (row_bytes
  * apart) and NB <= RL_NB inputs. LOAD unpacks a block of the rows; WSIGNED, OFFSET and WMIN mean what
  * GGML_TILE's do, and HALVES says whether a block has one scale (1) or one per 16 values (2). */
-#define GGML_ROWS(NAME, LOAD, WSIGNED, OFFSET, WMIN, HALVES)                                                   \
+#define GGML_ROWS(NAME, LOAD, WSIGNED, OFFSET, WMIN, HALVES, WMAX)                                             \
     static void NAME(const uint8_t *w, int64_t row_bytes, const Input *in_, int64_t b0, int64_t in, int R,    \
                      int NB, float *out) {                                                                  \
         const int64_t blocks = in / QBLOCK;                                                                 \
         const int8_t *q = in_->q + b0 * in;                                                                 \
         const float *d = in_->d + b0 * blocks;                                                              \
         const int32_t *sum = in_->sum + b0 * blocks;                                                        \
+        const int group = 4 * 254 * WMAX <= 32767 ? 4 : 2 * 254 * WMAX <= 32767 ? 2 : 1;                   \
         LaneRows lr;                                                                                        \
         lr.at = rl_mullo(rl_min(rl_lane_index(), rl_set1(R - 1)), rl_set1((int32_t)row_bytes));             \
         lr.row_bytes = row_bytes, lr.R = R;                                                                 \
@@ -1271,6 +1324,7 @@ LANE_BY_ROWS(lane_q6_k, prep_q6_k, wb_q6_k, 210, 1)
         for (int64_t k = 0; k < blocks; k++) {                                                              \
             LaneBlock lb;                                                                                   \
             LOAD(w, k, &lr, &lb);                                                                           \
+            if (WSIGNED) rl_signed(&lb);                                                                    \
             for (int b = 0; b < NB; b++) {                                                                  \
                 const int8_t *xb = q + b * in + k * QBLOCK;                                                 \
                 const float xd = d[b * blocks + k];                                                         \
@@ -1278,16 +1332,16 @@ LANE_BY_ROWS(lane_q6_k, prep_q6_k, wb_q6_k, 210, 1)
                 rl_f a = rl_load(out + b * RL);                                                             \
                 if (HALVES == 1) {                                                                          \
                     /* two chains of four: a chain of eight waits out eight latencies */                    \
-                    rl_i t = rl_set1(WSIGNED ? -128 * xs : -OFFSET * xs), u = rl_set1(0);                   \
-                    for (int j = 0; j < 4; j++) t = rl_dot(t, lb.wt[j], xb + 4 * j);                        \
-                    for (int j = 4; j < 8; j++) u = rl_dot(u, lb.wt[j], xb + 4 * j);                        \
+                    rl_i t = rl_set1((WSIGNED ? -128 * RL_VNNI : -OFFSET) * xs);                             \
+                    t = rl_dots4(t, &lb, xb, 0, WSIGNED, group);                                             \
+                    const rl_i u = rl_dots4(rl_set1(0), &lb, xb, 4, WSIGNED, group);                         \
                     a = rl_fma(rl_cvt(rl_add(t, u)), rl_mul(lb.s[0], rl_setf(xd)), a);                      \
                     if (WMIN) a = rl_fma(lb.m[0], rl_setf(xd * (float)xs), a);                              \
                 } else {                                                                                    \
                     const int32_t h = half_sum(xb);                                                         \
-                    rl_i t0 = rl_set1(WSIGNED ? -128 * h : 0), t1 = rl_set1(WSIGNED ? -128 * (xs - h) : 0);  \
-                    for (int j = 0; j < 4; j++) t0 = rl_dot(t0, lb.wt[j], xb + 4 * j);                      \
-                    for (int j = 4; j < 8; j++) t1 = rl_dot(t1, lb.wt[j], xb + 4 * j);                      \
+                    const rl_i t0 = rl_dots4(rl_set1(WSIGNED ? -128 * RL_VNNI * h : 0), &lb, xb, 0, WSIGNED, group); \
+                    const rl_i t1 = rl_dots4(rl_set1(WSIGNED ? -128 * RL_VNNI * (xs - h) : 0), &lb, xb, 4, WSIGNED,  \
+                                             group);                                                        \
                     a = rl_fma(rl_cvt(t0), rl_mul(lb.s[0], rl_setf(xd)), a);                                \
                     a = rl_fma(rl_cvt(t1), rl_mul(lb.s[1], rl_setf(xd)), a);                                \
                     if (WMIN) {                                                                             \
@@ -1299,16 +1353,16 @@ LANE_BY_ROWS(lane_q6_k, prep_q6_k, wb_q6_k, 210, 1)
             }                                                                                               \
         }                                                                                                   \
     }
-GGML_ROWS(rows_q8_0, lane_q8_0, 1, 0, 0, 1)
-GGML_ROWS(rows_q4_0, lane_q4_0, 0, 8, 0, 1)
-GGML_ROWS(rows_q4_1, lane_q4_1, 0, 0, 1, 1)
-GGML_ROWS(rows_q5_0, lane_q5_0, 0, 16, 0, 1)
-GGML_ROWS(rows_q5_1, lane_q5_1, 0, 0, 1, 1)
-GGML_ROWS(rows_q2_k, lane_q2_k, 0, 0, 2, 2)
-GGML_ROWS(rows_q3_k, lane_q3_k, 1, 0, 0, 2)
-GGML_ROWS(rows_q4_k, lane_q4_k, 0, 0, 1, 1)
-GGML_ROWS(rows_q5_k, lane_q5_k, 0, 0, 1, 1)
-GGML_ROWS(rows_q6_k, lane_q6_k, 1, 0, 0, 2)
+GGML_ROWS(rows_q8_0, lane_q8_0, 1, 0, 0, 1, 128)
+GGML_ROWS(rows_q4_0, lane_q4_0, 0, 8, 0, 1, 15)
+GGML_ROWS(rows_q4_1, lane_q4_1, 0, 0, 1, 1, 15)
+GGML_ROWS(rows_q5_0, lane_q5_0, 0, 16, 0, 1, 31)
+GGML_ROWS(rows_q5_1, lane_q5_1, 0, 0, 1, 1, 31)
+GGML_ROWS(rows_q2_k, lane_q2_k, 0, 0, 2, 2, 3)
+GGML_ROWS(rows_q3_k, lane_q3_k, 1, 0, 0, 2, 4)
+GGML_ROWS(rows_q4_k, lane_q4_k, 0, 0, 1, 1, 15)
+GGML_ROWS(rows_q5_k, lane_q5_k, 0, 0, 1, 1, 31)
+GGML_ROWS(rows_q6_k, lane_q6_k, 1, 0, 0, 2, 32)
 
 static void rows_ggml_any(int64_t type, const uint8_t *w, int64_t row_bytes, const Input *x, int64_t b0,
                           int64_t in, int R, int NB, float *out) {
@@ -1594,7 +1648,8 @@ INLINE Input input_for(const Linear *l, const float *x, int64_t B, const QuantBu
 /* Whether layer l takes the row-per-lane tiles at batch B: GGUF block formats (all its parts: step.py binds no
  * mix of block and float formats) and enough sequences to share a tile's unpacking. */
 INLINE int rows_path(const Linear *l, int64_t B) {
-    return B >= RL_MIN && l->format > FMT_GGML && !ggml_float(l->format) && l->in % QBLOCK == 0;
+    const int k_quant = l->format >= FMT_GGML + GGML_Q2_K && l->format <= FMT_GGML + GGML_Q6_K;
+    return B >= RL_MIN + k_quant && l->format > FMT_GGML && !ggml_float(l->format) && l->in % QBLOCK == 0;
 }
 
 /* out[b * RL + r] = rows r0 .. r0+R (R <= RL) of l (biased) against sequences b0 .. b0+NB; a tile across two
