@@ -1109,6 +1109,9 @@ INLINE rl_i rl_or(rl_i a, rl_i b) { return _mm512_or_si512(a, b); }
 INLINE rl_i rl_xor(rl_i a, rl_i b) { return _mm512_xor_si512(a, b); }
 INLINE rl_i rl_abs8(rl_i a) { return _mm512_abs_epi8(a); }
 INLINE rl_i rl_shr(rl_i a, int n) { return _mm512_srli_epi32(a, n); }
+INLINE rl_i rl_shl(rl_i a, int n) { return _mm512_slli_epi32(a, n); }
+INLINE rl_i rl_sar(rl_i a, int n) { return _mm512_srai_epi32(a, n); }
+INLINE rl_i rl_sub8(rl_i a, rl_i b) { return _mm512_sub_epi8(a, b); }
 INLINE rl_i rl_mullo(rl_i a, rl_i b) { return _mm512_mullo_epi32(a, b); }
 INLINE rl_i rl_lane_index(void) { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 INLINE rl_i rl_min(rl_i a, rl_i b) { return _mm512_min_epi32(a, b); }
@@ -1119,6 +1122,7 @@ INLINE rl_f rl_half_low(rl_i v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v
 INLINE rl_f rl_cvt(rl_i v) { return _mm512_cvtepi32_ps(v); }
 INLINE rl_f rl_fma(rl_f a, rl_f b, rl_f c) { return _mm512_fmadd_ps(a, b, c); }
 INLINE rl_f rl_mul(rl_f a, rl_f b) { return _mm512_mul_ps(a, b); }
+INLINE rl_f rl_sub_f(rl_f a, rl_f b) { return _mm512_sub_ps(a, b); }
 INLINE rl_f rl_setf(float v) { return _mm512_set1_ps(v); }
 INLINE rl_f rl_load(const float *p) { return _mm512_load_ps(p); }
 INLINE void rl_put(float *p, rl_f v) { _mm512_store_ps(p, v); }
@@ -1138,6 +1142,9 @@ INLINE rl_i rl_and(rl_i a, rl_i b) { return _mm256_and_si256(a, b); }
 INLINE rl_i rl_or(rl_i a, rl_i b) { return _mm256_or_si256(a, b); }
 INLINE rl_i rl_xor(rl_i a, rl_i b) { return _mm256_xor_si256(a, b); }
 INLINE rl_i rl_shr(rl_i a, int n) { return _mm256_srli_epi32(a, n); }
+INLINE rl_i rl_shl(rl_i a, int n) { return _mm256_slli_epi32(a, n); }
+INLINE rl_i rl_sar(rl_i a, int n) { return _mm256_srai_epi32(a, n); }
+INLINE rl_i rl_sub8(rl_i a, rl_i b) { return _mm256_sub_epi8(a, b); }
 INLINE rl_i rl_mullo(rl_i a, rl_i b) { return _mm256_mullo_epi32(a, b); }
 INLINE rl_i rl_abs8(rl_i a) { return _mm256_abs_epi8(a); }
 INLINE rl_i rl_lane_index(void) { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
@@ -1150,6 +1157,7 @@ INLINE rl_f rl_half_low(rl_i v) {
 INLINE rl_f rl_cvt(rl_i v) { return _mm256_cvtepi32_ps(v); }
 INLINE rl_f rl_fma(rl_f a, rl_f b, rl_f c) { return _mm256_fmadd_ps(a, b, c); }
 INLINE rl_f rl_mul(rl_f a, rl_f b) { return _mm256_mul_ps(a, b); }
+INLINE rl_f rl_sub_f(rl_f a, rl_f b) { return _mm256_sub_ps(a, b); }
 INLINE rl_f rl_setf(float v) { return _mm256_set1_ps(v); }
 INLINE rl_f rl_load(const float *p) { return _mm256_load_ps(p); }
 INLINE void rl_put(float *p, rl_f v) { _mm256_store_ps(p, v); }
@@ -1177,8 +1185,9 @@ INLINE int32_t half_sum(const int8_t *x) {
     return _mm_cvtsi128_si32(sums) + _mm_extract_epi16(sums, 4) - 16 * 128;
 }
 
-/* Block k of RL rows as the tiles below take it: wt[j] = values 4j .. 4j + 3 of each row as unsigned bytes
- * (signed formats: + 128), and per row the scale and min of values 0-15 (s[0], m[0]) and 16-31 (s[1], m[1]). */
+/* Block k of RL rows: wt[j] = values 4j .. 4j + 3 of each row, as bytes (unsigned, or signed for the WSIGNED
+ * formats until rl_signed makes them what rl_dots4 takes), and per row the scale and min of values 0-15 (s[0],
+ * m[0]) and 16-31 (s[1], m[1]). */
 typedef struct {
     rl_i wt[8];
 #if !RL_VNNI
@@ -1235,6 +1244,8 @@ typedef struct {
     KScales ks[RL];
     uint8_t rows[RL][QBLOCK] __attribute__((aligned(64)));
     float s[2][RL] __attribute__((aligned(64))), m[2][RL] __attribute__((aligned(64)));
+    rl_i kscales[3];  /* Q4_K, Q5_K: a super-block's 12 bytes of scales and mins, per row */
+    rl_f kd, kdmin;   /*   and its d and dmin */
 } LaneRows;
 
 /* 16 bytes of nibbles at p in each row: low nibbles are values 0-15, high ones 16-31 */
@@ -1285,7 +1296,66 @@ INLINE void lane_q5_1(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) 
     lane_fifth_bits(b + 4, lr, lb);
     lane_scale(b, lr, lb, 1);
 }
-/* The K-quants: each row's block by its unpacker (its super-block's scales decoded first), then transposed */
+/* Q4_K and Q5_K: sub-block j's scale and min (k_scale_min's fields, from the three words of 12 bytes gathered
+ * once a super-block), as d * scale and -dmin * min */
+INLINE void lane_k_scale_min(const uint8_t *sb, int j, LaneRows *lr, LaneBlock *lb) {
+    if (j == 0) {
+        for (int i = 0; i < 3; i++) lr->kscales[i] = rl_gather(sb + 4 + 4 * i, lr->at);
+        const rl_i dm = rl_gather(sb, lr->at);
+        lr->kd = rl_half_low(dm), lr->kdmin = rl_half_low(rl_shr(dm, 16));
+    }
+    const rl_i *w = lr->kscales, six = rl_set1(63), four = rl_set1(15), two = rl_set1(3);
+    rl_i sc, mn;
+    if (j < 4) {
+        sc = rl_and(rl_shr(w[0], 8 * j), six), mn = rl_and(rl_shr(w[1], 8 * j), six);
+    } else {
+        const int b = 8 * (j - 4);
+        sc = rl_or(rl_and(rl_shr(w[2], b), four), rl_shl(rl_and(rl_shr(w[0], b + 6), two), 4));
+        mn = rl_or(rl_and(rl_shr(w[2], b + 4), four), rl_shl(rl_and(rl_shr(w[1], b + 6), two), 4));
+    }
+    lb->s[0] = lb->s[1] = rl_mul(rl_cvt(sc), lr->kd);
+    lb->m[0] = lb->m[1] = rl_mul(rl_cvt(mn), rl_sub_f(rl_setf(0.f), lr->kdmin));
+}
+/* Q4_K: d, dmin | 12 bytes of scales | 128 bytes, a run of 32 holding sub-block 2i in its low nibbles and 2i + 1
+ * in its high ones (value i of the sub-block in byte i) */
+INLINE void lane_q4_k(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {
+    const uint8_t *sb = w + k / 8 * 144;
+    const int j = (int)(k % 8);
+    const rl_i low = rl_set1(0x0f0f0f0f);
+    for (int i = 0; i < 8; i++) lb->wt[i] = rl_and(rl_shr(rl_gather(sb + 16 + 32 * (j / 2) + 4 * i, lr->at), 4 * (j & 1)), low);
+    lane_k_scale_min(sb, j, lr, lb);
+}
+/* Q5_K: as Q4_K, with 32 bytes of fifth bits at 16 (bit j of byte i: value i of sub-block j), the nibbles at 48 */
+INLINE void lane_q5_k(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {
+    const uint8_t *sb = w + k / 8 * 176;
+    const int j = (int)(k % 8);
+    const rl_i low = rl_set1(0x0f0f0f0f), one = rl_set1(0x01010101);
+    for (int i = 0; i < 8; i++) {
+        const rl_i nib = rl_and(rl_shr(rl_gather(sb + 48 + 32 * (j / 2) + 4 * i, lr->at), 4 * (j & 1)), low);
+        const rl_i fifth = rl_and(rl_shr(rl_gather(sb + 16 + 4 * i, lr->at), j), one);
+        lb->wt[i] = rl_or(nib, rl_shl(fifth, 4));
+    }
+    lane_k_scale_min(sb, j, lr, lb);
+}
+/* Q6_K (wb_q6_k's layout): 128 bytes of low nibbles | 64 of high 2-bit fields | 16 int8 scales | d; a value is
+ * (d * scale) * (q - 32), a scale per 16 values. Every gather stays inside the 210-byte block: d is read as the
+ * high half of the 4 bytes at 206. */
+INLINE void lane_q6_k(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {
+    const uint8_t *sb = w + k / 8 * 210;
+    const int j = (int)(k % 8), h = j / 4, run = j % 4;
+    const rl_i low = rl_set1(0x0f0f0f0f), two = rl_set1(0x03030303), offset = rl_set1(0x20202020);
+    for (int i = 0; i < 8; i++) {
+        const rl_i nib = rl_and(rl_shr(rl_gather(sb + 64 * h + 32 * (run & 1) + 4 * i, lr->at), 4 * (run >> 1)), low);
+        const rl_i top = rl_and(rl_shr(rl_gather(sb + 128 + 32 * h + 4 * i, lr->at), 2 * run), two);
+        lb->wt[i] = rl_sub8(rl_or(nib, rl_shl(top, 4)), offset);
+    }
+    const rl_f d = rl_half_low(rl_shr(rl_gather(sb + 206, lr->at), 16));
+    const rl_i scales = rl_gather(sb + 192 + 2 * j, lr->at);   /* bytes 2j and 2j + 1: the two halves' */
+    lb->s[0] = rl_mul(rl_cvt(rl_sar(rl_shl(scales, 24), 24)), d);
+    lb->s[1] = rl_mul(rl_cvt(rl_sar(rl_shl(scales, 16), 24)), d);
+    lb->m[0] = lb->m[1] = rl_setf(0.f);
+}
+/* Q2_K and Q3_K: each row's block by its unpacker (its super-block's scales decoded first), then transposed */
 #define LANE_BY_ROWS(NAME, PREP, UNPACK, BYTES256)                                                            \
     INLINE void NAME(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) {                            \
         if (k % 8 == 0)                                                                                     \
@@ -1302,9 +1372,6 @@ INLINE void lane_q5_1(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) 
     }
 LANE_BY_ROWS(lane_q2_k, prep_q2_k, wb_q2_k, 84)
 LANE_BY_ROWS(lane_q3_k, prep_q3_k, wb_q3_k, 110)
-LANE_BY_ROWS(lane_q4_k, prep_q4_k, wb_q4_k, 144)
-LANE_BY_ROWS(lane_q5_k, prep_q4_k, wb_q5_k, 176)
-LANE_BY_ROWS(lane_q6_k, prep_q6_k, wb_q6_k, 210)
 
 /* out[b * RL + r] = sum over blocks of d[b, block] * (w[r, block] . q[b, block]) for R <= RL rows (row_bytes
  * apart) and NB <= RL_NB inputs. LOAD unpacks a block of the rows; WSIGNED, OFFSET and WMIN mean what
@@ -1320,6 +1387,7 @@ LANE_BY_ROWS(lane_q6_k, prep_q6_k, wb_q6_k, 210)
         LaneRows lr;                                                                                        \
         lr.at = rl_mullo(rl_min(rl_lane_index(), rl_set1(R - 1)), rl_set1((int32_t)row_bytes));             \
         lr.row_bytes = row_bytes, lr.R = R;                                                                 \
+        lr.kscales[0] = lr.kscales[1] = lr.kscales[2] = rl_set1(0), lr.kd = lr.kdmin = rl_setf(0.f);        \
         for (int b = 0; b < NB; b++) rl_put(out + b * RL, rl_setf(0.f));                                    \
         for (int64_t k = 0; k < blocks; k++) {                                                              \
             LaneBlock lb;                                                                                   \
