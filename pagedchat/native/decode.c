@@ -1092,8 +1092,8 @@ static __attribute__((noinline)) void tile_ggml_any(int64_t type, const uint8_t 
  * output row instead. A block's weights of RL rows are unpacked once into 8 vectors, vector j holding values
  * 4j .. 4j + 3 of every row; each sequence's block then meets them in 8 dot-product instructions whose 4-byte
  * operand is its own, broadcast, and one conversion and one scale serve RL rows. The 32-value formats gather
- * their fields from the RL rows and unpack them there; the K-quants' blocks are unpacked row by row (the
- * unpackers above) and transposed. The weights take the unsigned side of the byte dot products (rl_dots4):
+ * their fields from the RL rows and unpack them there, as do Q4_K, Q5_K and Q6_K; Q2_K and Q3_K's blocks are
+ * unpacked row by row (the unpackers above) and transposed. The weights take the unsigned side of the byte dot products (rl_dots4):
  * AVX-512 with VNNI runs 16 rows a vector, AVX2 8 (with AVX-VNNI's instruction, or two: VPMADDUBSW, VPMADDWD). */
 /* 4 input bytes as one int32, read where they lie (the dot product's broadcast operand, folded into it) */
 typedef int32_t i32u __attribute__((may_alias, aligned(1)));
@@ -1163,16 +1163,15 @@ INLINE rl_f rl_load(const float *p) { return _mm256_load_ps(p); }
 INLINE void rl_put(float *p, rl_f v) { _mm256_store_ps(p, v); }
 #endif
 
-#if defined(RL)
 #if !defined(PC_RL_NB)
 #define PC_RL_NB 16
 #endif
 #define RL_NB PC_RL_NB  /* sequences a tile: the weights of a tile are unpacked once for this many */
-/* The smallest batch that takes these tiles: the 32-value formats from 2 sequences, the K-quants (unpacked row by
- * row, then transposed) from 3. Measured on Gemma 3 270M's layers (Q8_0 16384 x 640, Q5_0 2048 x 640, Q4_K
- * 640 x 1024, Q6_K 640 x 2048), one thread, AVX-512, time per sequence against batch 1's: at 2 sequences Q8_0
- * and Q5_0 took 0.43-0.67 here against 0.71-0.81 on the per-row tiles, the K-quants 0.59-0.83 against 0.66-0.91
- * (a draw); from 3 every format, 0.33-0.58 against 0.56-0.74. */
+/* The smallest batch that takes these tiles: the 32-value formats from 2 sequences, the K-quants from 3. Measured
+ * on Gemma 3 270M's layers (Q8_0 16384 x 640, Q5_0 2048 x 640, Q4_K 640 x 1024, Q6_K 640 x 2048), one thread,
+ * AVX-512, time per sequence against batch 1's: at 2 sequences Q8_0 and Q5_0 took 0.43-0.67 here against
+ * 0.71-0.81 on the per-row tiles, the K-quants 0.59-0.83 against 0.66-0.91 (a draw, when every K-quant was still
+ * unpacked row by row); from 3 every format, 0.33-0.58 against 0.56-0.74. */
 #if !defined(PC_RL_MIN)
 #define PC_RL_MIN 2
 #endif
@@ -1447,7 +1446,6 @@ static void rows_ggml_any(int64_t type, const uint8_t *w, int64_t row_bytes, con
     case GGML_Q6_K: rows_q6_k(w, row_bytes, x, b0, in, R, NB, out); break;
     }
 }
-#endif
 #else
 INLINE void tile_q8_any(const int8_t *w, const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
     const int64_t blocks = in / QBLOCK;
