@@ -152,6 +152,7 @@ typedef struct {
 #endif
 
 typedef float vf __attribute__((vector_size(4 * VW)));
+typedef int32_t vi __attribute__((vector_size(4 * VW)));  /* a vf's lanes as bits: masks, exponents */
 typedef float vfu __attribute__((vector_size(4 * VW), aligned(4)));
 typedef int8_t vqu __attribute__((vector_size(VW), aligned(1)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -1093,8 +1094,9 @@ static __attribute__((noinline)) void tile_ggml_any(int64_t type, const uint8_t 
  * 4j .. 4j + 3 of every row; each sequence's block then meets them in 8 dot-product instructions whose 4-byte
  * operand is its own, broadcast, and one conversion and one scale serve RL rows. The 32-value formats gather
  * their fields from the RL rows and unpack them there, as do Q4_K, Q5_K and Q6_K; Q2_K and Q3_K's blocks are
- * unpacked row by row (the unpackers above) and transposed. The weights take the unsigned side of the byte dot products (rl_dots4):
- * AVX-512 with VNNI runs 16 rows a vector, AVX2 8 (with AVX-VNNI's instruction, or two: VPMADDUBSW, VPMADDWD). */
+ * unpacked row by row (the unpackers above) and transposed. The weights take the unsigned side of the byte dot
+ * products (rl_dots4): AVX-512 with VNNI runs 16 rows a vector, AVX2 8 (with AVX-VNNI's instruction, or two:
+ * VPMADDUBSW, VPMADDWD). */
 /* 4 input bytes as one int32, read where they lie (the dot product's broadcast operand, folded into it) */
 typedef int32_t i32u __attribute__((may_alias, aligned(1)));
 #if defined(__AVX512VNNI__) && X86_512
@@ -1321,7 +1323,8 @@ INLINE void lane_q4_k(const uint8_t *w, int64_t k, LaneRows *lr, LaneBlock *lb) 
     const uint8_t *sb = w + k / 8 * 144;
     const int j = (int)(k % 8);
     const rl_i low = rl_set1(0x0f0f0f0f);
-    for (int i = 0; i < 8; i++) lb->wt[i] = rl_and(rl_shr(rl_gather(sb + 16 + 32 * (j / 2) + 4 * i, lr->at), 4 * (j & 1)), low);
+    for (int i = 0; i < 8; i++)
+        lb->wt[i] = rl_and(rl_shr(rl_gather(sb + 16 + 32 * (j / 2) + 4 * i, lr->at), 4 * (j & 1)), low);
     lane_k_scale_min(sb, j, lr, lb);
 }
 /* Q5_K: as Q4_K, with 32 bytes of fifth bits at 16 (bit j of byte i: value i of sub-block j), the nibbles at 48 */
@@ -1715,7 +1718,7 @@ INLINE Input input_for(const Linear *l, const float *x, int64_t B, const QuantBu
  * mix of block and float formats) and enough sequences to share a tile's unpacking. */
 INLINE int rows_path(const Linear *l, int64_t B) {
     const int k_quant = l->format >= FMT_GGML + GGML_Q2_K && l->format <= FMT_GGML + GGML_Q6_K;
-    return B >= RL_MIN + k_quant && l->format > FMT_GGML && !ggml_float(l->format) && l->in % QBLOCK == 0;
+    return B >= RL_MIN + k_quant && l->format > FMT_GGML && integer_path(l);
 }
 
 /* out[b * RL + r] = rows r0 .. r0+R (R <= RL) of l (biased) against sequences b0 .. b0+NB; a tile across two
@@ -1810,13 +1813,10 @@ static void linear(const Team *team, const Linear *l, const float *x, int64_t B,
     }
 }
 
-/* act [B, I] = silu(gate) * up (or gelu), with gate and up the two halves of l's rows: a thread computes the gate rows
- * and the matching up rows of a tile together, so the activation needs no second pass. */
 /* e^x for x <= 0 (a score minus its row's maximum), VW at a time: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by
  * Cephes' expf polynomial, 2^n put into the exponent. Within 2 ulp of expf (the tests hold the step to the torch
  * path at 1e-4); below -87 it returns ~1e-38 where expf underflows to 0, both nothing beside the row's 1. */
 INLINE vf exp_nonpositive(vf x) {
-    typedef int32_t vi __attribute__((vector_size(4 * VW)));
     const vi low = x < -87.f;
     x = (vf)((low & (vi)((vf){0} - 87.f)) | (~low & (vi)x));
     const vf shift = (vf){0} + 12582912.f;  /* 1.5 * 2^23: adding it rounds to an integer, kept in the low bits */
@@ -1839,7 +1839,6 @@ INLINE vf exp_nonpositive(vf x) {
  * sign: VW at a time on exp_nonpositive (libm's tanhf and expf, one call per value, were a tenth of a 16-sequence
  * Gemma 3 step). A last part of fewer than VW values runs as a whole vector, padded with zeros. */
 static void gate_times_up(const float *g, const float *up, int64_t n, float *out, int gelu) {
-    typedef int32_t vi __attribute__((vector_size(4 * VW)));
     const float beta2 = 2.f * 0.7978845608028654f, kappa = 0.044715f;
     for (int64_t i = 0; i < n; i += VW) {
         const int64_t m = n - i < VW ? n - i : VW;
@@ -1854,6 +1853,8 @@ static void gate_times_up(const float *g, const float *up, int64_t n, float *out
     }
 }
 
+/* act [B, I] = silu(gate) * up (or gelu), with gate and up the two halves of l's rows: a thread computes the gate rows
+ * and the matching up rows of a tile together, so the activation needs no second pass. */
 static void gated_linear(const Team *team, const Linear *l, const float *x, int64_t B, float *act, int gelu,
                          const QuantBuffers *buf) {
     const Input input = input_for(l, x, B, buf);
@@ -1871,7 +1872,10 @@ static void gated_linear(const Team *team, const Linear *l, const float *x, int6
                 run_tile(&k, l, I + r0, R, &input, b0, NB, up);
                 for (int b = 0; b < NB; b++) {
                     float g[TILE_ROWS], u[TILE_ROWS];   /* sequence b's row of the tile */
-                    for (int r = 0; r < R; r++) g[r] = gate[r * k.rstride + b * k.bstride], u[r] = up[r * k.rstride + b * k.bstride];
+                    for (int r = 0; r < R; r++) {
+                        const int64_t at = r * k.rstride + b * k.bstride;
+                        g[r] = gate[at], u[r] = up[at];
+                    }
                     gate_times_up(g, u, R, act + (b0 + b) * I + r0, gelu);
                 }
             }
@@ -2008,7 +2012,6 @@ static void score(const Pool *k, const int32_t *table, int64_t bs, int64_t start
 }
 
 INLINE vf vmax(vf a, vf b) {
-    typedef int32_t vi __attribute__((vector_size(4 * VW)));
     const vi gt = a > b;
     return (vf)((gt & (vi)a) | (~gt & (vi)b));
 }
