@@ -195,13 +195,21 @@ _DRY_KERNELS = {"measurements": [{"kernel": "device_copy", "gbps": 1.0},
                                  {"kernel": "decode", "sweep": "batch", "batch": 64, "copy_frac": 0.5, "vs_sdpa": 1.0}]}
 
 
+def test_workers() -> list[str]:
+    """pytest-xdist's workers where it is installed: the GPU tests spend most of their time compiling Triton
+    kernels on the CPU, which four processes do side by side (the GPU has memory for all four)."""
+    import importlib.util
+
+    return ["-n", "4"] if importlib.util.find_spec("xdist") else []
+
+
 def plan(outdir: Path, model_dir: Path) -> list[Step]:
     py, cli = sys.executable, [sys.executable, "-m", "pagedchat.cli", "bench"]
     install = [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."]
     tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *GPU_TESTS]
     steps = [
         Step("install", 45, install, read_nothing, dry_argv=install[:4] + ["--dry-run"] + install[4:]),
-        Step("tests", 140, tests + [f"--junitxml={outdir / 'gpu-tests.xml'}"], read_tests,
+        Step("tests", 170, tests + test_workers() + [f"--junitxml={outdir / 'gpu-tests.xml'}"], read_tests,
              dry_argv=tests + ["--collect-only"]),
         Step("model", 45, [py, "-m", "pagedchat.bench.gpu", "--build-model", str(model_dir)], read_nothing,
              dry_argv=_canned({})),
