@@ -59,6 +59,9 @@ def _with_jitted_helpers(fn):
     clone = types.FunctionType(fn.__code__, {**fn.__globals__, **helpers}, fn.__name__, fn.__defaults__,
                                fn.__closure__)
     clone.__module__, clone.__qualname__, clone.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
+    # Triton reads which parameters are constexpr from the annotations: a clone without them would make every
+    # tl.constexpr an ordinary argument (and a str one, such as PRECISION, fails to launch).
+    clone.__annotations__, clone.__kwdefaults__ = dict(fn.__annotations__), fn.__kwdefaults__
     return clone
 
 

@@ -950,3 +950,26 @@ def test_v2_compiles_for_sm90_without_spills(case):
         pytest.skip(str(exc))
     for row in rows:
         assert row["resources"].spill_stores == row["resources"].spill_loads == 0, R.markdown_row(row)
+
+
+@needs_triton
+def test_compiled_kernels_keep_their_constexpr_parameters():
+    """The compiled-mode kernel (its helpers jitted into a copy of the function) declares the same constexprs as
+    the source: Triton reads them from the annotations, and without them a GPU launch fails to specialize."""
+    import importlib
+    import inspect
+
+    from pagedchat.kernels._launch import compiled
+
+    checked = 0
+    for module_name in ("triton_attention_v1", "triton_attention_v2", "triton_cache", "triton_gguf", "triton_int4",
+                        "triton_moe", "triton_fused"):
+        module = importlib.import_module(f"pagedchat.kernels.{module_name}")
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            annotated = {p for p, a in fn.__annotations__.items() if "constexpr" in str(a)}
+            if fn.__module__ != module.__name__ or not annotated:
+                continue
+            jit = compiled(fn)
+            assert {p.name for p in jit.params if p.is_constexpr} == annotated, name
+            checked += 1
+    assert checked >= 8

@@ -40,6 +40,11 @@ class Resources:
 def _signature(jit, launch) -> tuple[dict, dict, dict]:
     """Triton's view of a launch: argument types, constexprs, 16-divisibility hints (as the runtime makes them)."""
     signature, constexprs, attrs = {}, dict(launch.constexprs), {}
+    # The runtime finds constexprs in the kernel's annotations, not here: a launch must agree with them, or what
+    # compiles here is not what a GPU runs.
+    declared = {p.name for p in jit.params if p.is_constexpr}
+    assert declared == set(launch.constexprs), f"{jit.fn.__name__}: constexprs {sorted(declared)} in the kernel, " \
+        f"{sorted(launch.constexprs)} in the launch"
     for i, (name, value) in enumerate(zip(jit.arg_names, launch.args)):
         if isinstance(value, torch.Tensor):
             signature[name] = "*" + _TRITON_TYPES[value.dtype]
