@@ -386,7 +386,17 @@ def figures(r: dict) -> str:
     return table(["figure", "value"], [[k, num(v)] for k, v in flat.items()])
 
 
-RENDERERS = {"memory": memory, "block-size": block_size, "shared-prefix": shared_prefix, "window": window,
+def gpu_check(r: dict) -> str:
+    """The GPU check's one line per step (status, seconds, headline figures), as the check itself prints it."""
+    from pagedchat.bench.gpu import summary_rows
+
+    rows = [[name, status, "-" if seconds is None else f"{seconds:.0f}", words.replace("|", "/")]
+            for name, status, seconds, words in summary_rows(r)]
+    return (f"git {r['git_revision']}, budget {r['budget_s']:.0f} s\n\n"
+            + table(["step", "status", "seconds", "figures"], rows))
+
+
+RENDERERS = {"gpu-check": gpu_check, "memory": memory, "block-size": block_size, "shared-prefix": shared_prefix, "window": window,
              "beams": beams, "batch1": batch1, "throughput": throughput, "chat-turns": chat_turns,
              "chat-forks": chat_forks, "serve": serve, "spec": spec, "accuracy": accuracy, "cpu-sweep": cpu_sweep,
              "kv-dtype": kv_dtype, "launches": launches, "host-step-ab": host_step_ab, "host-step": host_step, "resources": resources, "real-models": real_models,

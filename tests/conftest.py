@@ -64,6 +64,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_runtest_logreport(report):
+    """Each test's outcome as it comes, one JSON line in $PAGEDCHAT_TEST_OUTCOMES: a run stopped at its time limit
+    (the GPU check's tests step) keeps what it learnt, failure messages included. Under xdist this runs in the
+    controller, so one process writes the file."""
+    path = os.environ.get("PAGEDCHAT_TEST_OUTCOMES")
+    if not path or (report.when != "call" and report.passed):
+        return
+    import json
+
+    outcome = "error" if report.failed and report.when != "call" else report.outcome   # pytest's own words
+    line = {"test": report.nodeid, "outcome": outcome, "message": report.longreprtext[-2000:] if report.failed else ""}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def xdg_cache_for_the_session(tmp_path_factory):
     """Engines built by module- and session-scoped fixtures (before `xdg_home` runs) keep their disk KV

@@ -115,3 +115,20 @@ def test_the_benchmark_model_is_built_whole_once(tmp_path):
     stamp = (path / "config.json").stat().st_mtime_ns
     gpu.build_model(path, device="cpu", size="tiny")          # a rerun keeps it
     assert (path / "config.json").stat().st_mtime_ns == stamp
+
+
+def test_a_tests_step_cut_at_its_limit_keeps_the_outcomes_streamed_so_far(tmp_path):
+    """tests/conftest.py writes each outcome as it comes; the check reads them when pytest left no report."""
+    outcomes = tmp_path / gpu.OUTCOMES
+    env = {**os.environ, "PAGEDCHAT_TEST_OUTCOMES": str(outcomes)}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu_check.py",
+                    "-k", "read_after_other_output or no_gpu_is_one_line"], cwd=gpu.REPO, env=env, check=True,
+                   capture_output=True, timeout=120)
+    with outcomes.open("a") as f:   # as a failure mid-run would add
+        f.write(json.dumps({"test": "t::bad", "outcome": "failed", "message": "pagedchat 5 != transformers 7"}) + "\n")
+        f.write(json.dumps({"test": "t::fixture", "outcome": "error", "message": "setup broke"}) + "\n")
+    tests = gpu.read_tests("", tmp_path)
+    assert (tests["passed"], tests["failed"], tests["skipped"], tests["unfinished"]) == (2, 2, 0, True)
+    assert [f["message"] for f in tests["failures"]] == ["pagedchat 5 != transformers 7", "setup broke"]
+    assert "2 passed, 2 failed, 0 skipped before the limit" in gpu.summary_rows(
+        {"steps": {"tests": {"status": "timeout", "seconds": 170, "figures": tests}}})[0][3]

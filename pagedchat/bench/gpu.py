@@ -48,6 +48,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 420          # the whole run, steps included: 7 minutes (under 8 on one H100/H200, with start-up)
 MIN_STEP_S = 20         # a step that would get less is skipped, not started
+OUTCOMES = "gpu-tests.jsonl"   # each test's outcome as it comes (tests/conftest.py), kept when the step is cut
 GPU_TESTS = ("tests/test_gpu_engine.py", "tests/test_kernels.py", "tests/test_triton_gguf.py")
 MODEL_SHAPE = dict(arch="llama", size="1b", max_positions=4096)
 THROUGHPUT_ARGS = ("--requests", "256", "--max-tokens", "128",
@@ -62,6 +63,7 @@ class Step:
     read: Callable[[str, Path], dict]    # (stdout, outdir) -> the step's figures
     dry_argv: list[str] = field(default_factory=list)   # what --dry-run runs instead (CPU, seconds)
     env: dict[str, str] = field(default_factory=dict)
+    outputs: tuple[str, ...] = ()        # files it writes in OUTDIR: removed first, so a rerun reads only its own
 
 
 # -- reading each step's output ----------------------------------------------------------------------------
@@ -81,7 +83,10 @@ def _json_out(stdout: str, outdir: Path):
 def read_tests(stdout: str, outdir: Path) -> dict:
     """Counts and failures from pytest's JUnit XML (the failure message is where a divergence is explained)."""
     path = outdir / "gpu-tests.xml"
-    if not path.exists():       # --collect-only (the dry run) writes no report: count what was collected
+    if not path.exists():
+        if (outdir / OUTCOMES).exists():    # stopped at its limit: the outcomes streamed until then
+            return read_outcomes(outdir / OUTCOMES)
+        # --collect-only (the dry run) writes no report: count what was collected
         return {"collected": sum(1 for line in stdout.splitlines() if "::" in line)}
     root = ElementTree.parse(path).getroot()
     counts = {"passed": 0, "failed": 0, "skipped": 0}
@@ -97,6 +102,17 @@ def read_tests(stdout: str, outdir: Path) -> dict:
         else:
             counts["passed"] += 1
     return {**counts, "failures": failures}
+
+
+def read_outcomes(path: Path) -> dict:
+    """The outcomes tests/conftest.py streamed (one JSON line per test) of a run that did not finish."""
+    counts, failures = {"passed": 0, "failed": 0, "skipped": 0}, []
+    for line in path.read_text().splitlines():
+        outcome = json.loads(line)
+        counts["failed" if outcome["outcome"] == "error" else outcome["outcome"]] += 1
+        if outcome["outcome"] in ("failed", "error"):
+            failures.append({"test": outcome["test"], "message": outcome["message"]})
+    return {**counts, "failures": failures, "unfinished": True}
 
 
 def read_batch1(stdout: str, outdir: Path) -> dict:
@@ -210,7 +226,8 @@ def plan(outdir: Path, model_dir: Path) -> list[Step]:
     steps = [
         Step("install", 45, install, read_nothing, dry_argv=install[:4] + ["--dry-run"] + install[4:]),
         Step("tests", 170, tests + test_workers() + [f"--junitxml={outdir / 'gpu-tests.xml'}"], read_tests,
-             dry_argv=tests + ["--collect-only"]),
+             dry_argv=tests + ["--collect-only"], env={"PAGEDCHAT_TEST_OUTCOMES": str(outdir / OUTCOMES)},
+             outputs=("gpu-tests.xml", OUTCOMES)),
         Step("model", 45, [py, "-m", "pagedchat.bench.gpu", "--build-model", str(model_dir)], read_nothing,
              dry_argv=_canned({})),
         Step("batch1", 160, cli + ["batch1", "-m", str(model_dir), "--device", "cuda", "--json"], read_batch1,
@@ -234,6 +251,8 @@ def plan(outdir: Path, model_dir: Path) -> list[Step]:
 def run_step(step: Step, limit: float, outdir: Path, dry_run: bool) -> dict:
     argv = step.dry_argv if dry_run else step.argv
     log = outdir / "logs" / f"{step.name.replace(' ', '-')}.log"
+    for name in step.outputs:
+        (outdir / name).unlink(missing_ok=True)
     start = time.monotonic()
     record = {"status": "ok", "limit_s": round(limit), "command": " ".join(argv)}
     try:
@@ -261,6 +280,9 @@ def _text(data) -> str:
 
 
 def git_revision() -> str:
+    """PAGEDCHAT_REVISION when the caller names it (a copied tree's .git can be older than the tree), else git's."""
+    if os.environ.get("PAGEDCHAT_REVISION"):
+        return os.environ["PAGEDCHAT_REVISION"]
     try:
         rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
                              timeout=10).stdout.strip()
@@ -268,7 +290,7 @@ def git_revision() -> str:
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         rev, dirty = "", ""
-    return (rev + ("+changes" if dirty else "")) if rev else os.environ.get("PAGEDCHAT_REVISION", "unknown")
+    return (rev + ("+changes" if dirty else "")) if rev else "unknown"
 
 
 def chosen(steps: list[Step], only: set[str] | None, model_dir: Path) -> list[Step]:
@@ -285,7 +307,8 @@ def chosen(steps: list[Step], only: set[str] | None, model_dir: Path) -> list[St
     return [s for s in steps if s.name.split()[0] in wanted]
 
 
-def run_check(outdir: Path, dry_run: bool = False, budget_s: float = BUDGET_S, only: set[str] | None = None) -> dict:
+def run_check(outdir: Path, dry_run: bool = False, budget_s: float = BUDGET_S, only: set[str] | None = None,
+              command: str = "scripts/gpu_check.sh") -> dict:
     from pagedchat.bench.common import machine_description, machine_info
 
     outdir.mkdir(parents=True, exist_ok=True)
@@ -293,7 +316,7 @@ def run_check(outdir: Path, dry_run: bool = False, budget_s: float = BUDGET_S, o
     info = machine_info()
     report = {"check": "gpu", "dry_run": dry_run, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "git_revision": git_revision(), "machine": machine_description(info), "machine_info": info,
-              "budget_s": budget_s, "steps": {}}
+              "budget_s": budget_s, "command": command, "steps": {}}
     # The 2.5 GB model stays out of OUTDIR (which is copied back) and is reused by a rerun on the same machine.
     deadline, model_dir = time.monotonic() + budget_s, Path(tempfile.gettempdir()) / "pagedchat-gpu-check-llama-1b"
     for step in chosen(plan(outdir, model_dir), only, model_dir):
@@ -323,6 +346,7 @@ def summary_rows(report: dict) -> list[list]:
         f = s.get("figures") or {}
         if name == "tests":
             words = (f"{f.get('passed', 0)} passed, {f.get('failed', 0)} failed, {f.get('skipped', 0)} skipped"
+                     f"{' before the limit' if f.get('unfinished') else ''}"
                      if "passed" in f else f"{f.get('collected', 0)} collected")
         elif name == "batch1":
             words = (f"decode {_n(f.get('decode_tok_per_s'))} tok/s ({_pct(f.get('of_floor'))} of the "
@@ -419,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
             print(missing, file=sys.stderr)
             return 2
     only = {name.strip() for name in args.only.split(",") if name.strip()} if args.only else None
-    report = run_check(Path(args.outdir).resolve(), args.dry_run, args.budget, only)
+    report = run_check(Path(args.outdir).resolve(), args.dry_run, args.budget, only,
+                       " ".join(["scripts/gpu_check.sh", *(sys.argv[1:] if argv is None else argv)]))
     print_summary(report, Path(args.outdir) / "gpu-check.json")
     return 0 if all(s["status"] == "ok" for s in report["steps"].values()) else 1
 
