@@ -31,6 +31,17 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def varies_per_step(*names: str):
+    """Mark a kernel's integer arguments that change from step to step (a batch size, a row count, the width of
+    the step's block tables). Triton would otherwise compile a variant for each value that is 1 or a multiple of
+    16 as it first meets it: seconds of compiling in the middle of a conversation, for no faster code (these
+    values bound loops and masks; they address nothing that vectorizes)."""
+    def mark(fn):
+        fn.__pagedchat_varies_per_step__ = names
+        return fn
+    return mark
+
+
 def device_function(fn):
     """Mark a plain function that kernels call: it is jitted together with them, in their mode."""
     fn.__pagedchat_device_function__ = True
@@ -44,9 +55,10 @@ def _jitted(fn, interpret: bool):
     # variable is set (pytest collection order) must not pin the compiled path on a CPU-only machine.
     # The interpreter runs the kernel as Python, calling its plain helpers as they are; the compiler
     # only calls jitted functions, so the compiled kernel sees its module's helpers jitted too.
+    unspecialized = getattr(fn, "__pagedchat_varies_per_step__", ())
     if interpret:
-        return triton.jit(fn)
-    return triton.jit(_with_jitted_helpers(fn))
+        return triton.jit(fn, do_not_specialize=unspecialized)
+    return triton.jit(_with_jitted_helpers(fn), do_not_specialize=unspecialized)
 
 
 def _with_jitted_helpers(fn):

@@ -63,6 +63,10 @@ def prefill_size_class(total_q: int, batch: int) -> str:
     return "extend64" if per_seq <= 64 else "chunk1k" if per_seq <= 1024 else "long"
 
 
+# One prompt length of each prefill size class: what a start-up warm-up runs to compile every class's kernels.
+PREFILL_CLASS_LENGTHS = (64, 1024, 1025)
+
+
 def _with_q(size_class: str, q_dtype: torch.dtype | None) -> str:
     """A quantized pool's class also names the queries' dtype (its dots run in it)."""
     return size_class if q_dtype is None else f"{size_class}|q-{_dtype_name(q_dtype)}"

@@ -31,6 +31,7 @@ from ._launch import (
     kernel,
     next_pow2,
     sm_count,
+    varies_per_step,
 )
 from ._launch import LOG2E_C as _LOG2E
 from ._launch import MAX_COMBINE as _max_combine
@@ -41,6 +42,7 @@ from ._launch import SUM_COMBINE as _sum_combine
 # Decode: stage 1, one program per (sequence, KV head [x head block], split)
 # ---------------------------------------------------------------------------------------------------
 
+@varies_per_step("num_splits", "stride_tb")
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     scale_log2, num_splits, window, softcap,
@@ -128,6 +130,7 @@ def _decode_split_kernel(
 # Decode: stage 2, merge the splits of one (sequence, query head) by their log-sum-exp
 # ---------------------------------------------------------------------------------------------------
 
+@varies_per_step("num_splits")
 def _decode_merge_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, num_splits,
     stride_pb, stride_ph, stride_ps,
@@ -252,6 +255,7 @@ def paged_decode_attention_v1(q, k_cache, v_cache, block_tables, seq_lens, scale
 # Prefill: one program per (sequence, KV head [x head block], tile of query tokens)
 # ---------------------------------------------------------------------------------------------------
 
+@varies_per_step("stride_tb")
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, cu_q_ptr, lens_ptr, out_ptr,
     scale_log2, window, softcap,

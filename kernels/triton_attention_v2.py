@@ -40,7 +40,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ._launch import LOG2E, Launch, check_cache_pair, device_function, dot_precision, interpreting, next_pow2, sm_count
+from ._launch import (LOG2E, Launch, check_cache_pair, device_function, dot_precision, interpreting, next_pow2,
+                      sm_count, varies_per_step)
 from ._launch import LOG2E_C as _LOG2E
 from ._launch import MAX_COMBINE as _max_combine
 from ._launch import NEG_BIG as _NEG_BIG
@@ -182,6 +183,7 @@ def _pick(values, lanes, index):
 # Decode
 # ---------------------------------------------------------------------------------------------------
 
+@varies_per_step("batch", "stride_tb")
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
     scale_log2, window, softcap, batch, target_programs, max_splits,
@@ -264,6 +266,7 @@ def _decode_kernel(
         tl.store(lse_ptr + w64 * stride_lw + q_head, lse, mask=head_ok)
 
 
+@varies_per_step("batch")
 def _decode_merge_kernel(
     part_ptr, lse_ptr, out_ptr, lens_ptr,
     window, batch, target_programs, max_splits,
@@ -473,6 +476,7 @@ def _prefill_tiles(acc, m_i, l_i, q, k_head, v_head, ks_head, vs_head, table_row
     return acc, m_i, l_i
 
 
+@varies_per_step("batch", "stride_tb")
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, cu_ptr, lens_ptr, out_ptr,
     scale_log2, window, softcap, batch,

@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import SUM_COMBINE, Launch, device_function, dot_precision, interpreting, next_pow2, sm_count
+from ._launch import (SUM_COMBINE, Launch, device_function, dot_precision, interpreting, next_pow2, sm_count,
+                      varies_per_step)
 
 # GGML type name -> (values per block, bytes per block, RUN)
 FORMATS = {"Q8_0": (32, 34, 16), "Q4_0": (32, 18, 16), "Q4_1": (32, 20, 16), "Q5_0": (32, 22, 16),
@@ -209,6 +210,7 @@ def _gguf_gemv(x_ptr, w_ptr, out_ptr, M, N, UNITS, stride_xm, stride_wn, stride_
     tl.store(out_ptr + m64[:, None] * stride_om + offs_n[None, :], out, mask=m_ok[:, None] & n_ok[None, :])
 
 
+@varies_per_step("M")
 def _gguf_gemm(x_ptr, w_ptr, out_ptr, M, N, UNITS, stride_xm, stride_wn, stride_om,
                QTYPE: tl.constexpr, BLOCK_VALUES: tl.constexpr, TYPE_SIZE: tl.constexpr, RUN: tl.constexpr,
                PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import dot_precision, interpreting, kernel, sm_count
+from ._launch import dot_precision, interpreting, kernel, sm_count, varies_per_step
 
 GROUP = 32
 HALF = tl.constexpr(GROUP // 2)  # bytes per group (a constexpr: compiled kernels read no other globals)
@@ -63,6 +63,7 @@ def _int4_gemv(x_ptr, packed_ptr, scales_ptr, out_ptr, N, G, stride_xm, stride_p
     tl.store(out_ptr + row * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@varies_per_step("M")
 def _int4_gemm(x_ptr, packed_ptr, scales_ptr, out_ptr, M, N, G, stride_xm, stride_pn, stride_sn, stride_om,
                PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):

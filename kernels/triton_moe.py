@@ -16,11 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import dot_precision, kernel
+from ._launch import dot_precision, kernel, varies_per_step
 
 _BLOCK_M = 16
 
 
+@varies_per_step("num_pairs")
 def _moe_gemm(a_ptr, b_ptr, c_ptr, w_ptr, pairs_ptr, block_expert_ptr, num_pairs, N, K,
               stride_am, stride_be, stride_bn, stride_cm,
               A_DIV: tl.constexpr, MUL_WEIGHT: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,

@@ -8,9 +8,11 @@ graph padding are all exercised; only compiled numerics differ."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
+import torch
 
 from graph_double import capture_on_cpu
 from hf_models import ARCHS, NEW_FAMILIES, build_model
@@ -90,3 +92,35 @@ def test_engine_on_triton_kernels_matches_transformers(shape_dirs, monkeypatch, 
     engine.release(parent.handle)
     engine.check_invariants()
     assert engine.pool.num_used == 0
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3"])   # gemma3: window layer groups, each with its own table
+def test_the_prefill_warm_up_runs_every_size_class_and_leaves_the_pool_alone(shape_dirs, monkeypatch, case):
+    """CUDA runners compile each prefill size class's kernels at start-up (ModelRunner._warm_prefill_kernels).
+    Here on the Triton kernels under the interpreter: a live pool comes out of it byte for byte, and the engine
+    still gives transformers' greedy tokens."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    path, hf = shape_dirs[case]
+    config = EngineConfig(model=str(path), num_blocks=64, block_size=BLOCK, max_num_batched_tokens=24, max_num_seqs=4)
+    engine = Engine(config, show_progress=False)
+    _on_triton(engine)
+    greedy = SamplingParams(temperature=0, max_tokens=NEW)
+    prompt = _prompts()[0]
+    first = engine.generate([prompt], greedy, keep=True)[0].outputs[0]   # blocks in use while it warms
+    pool = [c.clone() for c in engine.runner.k_caches + engine.runner.v_caches]
+    lengths = []
+    forward = engine.runner.model.forward
+    with monkeypatch.context() as patch:
+        patch.setattr(engine.runner.model, "forward", lambda ids, *a, **kw: lengths.append(len(ids)) or
+                      forward(ids, *a, **kw))
+        patch.setattr(torch.cuda, "synchronize", lambda *a: None)
+        engine.runner._warm_prefill_kernels(dataclasses.replace(config, max_num_batched_tokens=80))
+    assert lengths == [64, 80, 80]    # each class's length, cut to the step budget
+    for before, after in zip(pool, engine.runner.k_caches + engine.runner.v_caches):
+        assert torch.equal(before, after)
+    assert_greedy_equal(first.token_ids, *reference(hf, prompt, NEW))
+    child = engine.fork(first.handle, greedy)
+    while not engine.is_finished(child):
+        engine.step()
+    assert_greedy_equal(first.token_ids + engine.pop_output(child).outputs[0].token_ids,
+                        *reference(hf, prompt, 2 * NEW))

@@ -45,7 +45,7 @@ def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "gpu-check.json").read_text())
-    assert list(report["steps"])[:6] == ["install", "tests", "model", "batch1", "throughput", "spec"]
+    assert list(report["steps"]) == ["install", "tests", "model", "batch1", "throughput", "kernels", "spec"]
     assert all(s["status"] == "ok" for s in report["steps"].values()), report["steps"]
     assert report["steps"]["tests"]["figures"]["collected"] > 10          # the GPU tests import without a GPU
     assert report["steps"]["batch1"]["figures"]["of_floor"] == 0.5
@@ -57,7 +57,9 @@ def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp
     assert report["steps"]["batch1"]["figures"]["overlap_speedup"] == 1.25
     assert report["steps"]["spec"]["figures"]["speedup_batch1"]["edit"] == 2.0
     assert report["steps"]["spec"]["figures"]["greedy_identical"] is True
-    assert {"git_revision", "date", "machine_info", "budget_s", "wall_s"} <= set(report)
+    assert report["steps"]["kernels"]["figures"]["impls"]["v2"] == {"decode_copy_frac": 0.5, "decode_vs_sdpa": 1.0,
+                                                                    "prefill_4k_vs_sdpa": 0.5}
+    assert {"git_revision", "date", "machine_info", "budget_s", "wall_s", "command"} <= set(report)
     for name in ("torch", "triton", "transformers", "cpu_isa"):
         assert name in report["machine_info"]
     assert "GPU check (dry run)" in proc.stdout and "throughput" in proc.stdout
@@ -132,3 +134,31 @@ def test_a_tests_step_cut_at_its_limit_keeps_the_outcomes_streamed_so_far(tmp_pa
     assert [f["message"] for f in tests["failures"]] == ["pagedchat 5 != transformers 7", "setup broke"]
     assert "2 passed, 2 failed, 0 skipped before the limit" in gpu.summary_rows(
         {"steps": {"tests": {"status": "timeout", "seconds": 170, "figures": tests}}})[0][3]
+
+
+def test_a_benchmark_cut_at_its_limit_keeps_the_rows_it_finished(tmp_path):
+    """batch1 and kernels print each finished row (bench.common.report_partial); a step stopped at its limit
+    reads its figures from them."""
+    (tmp_path / "logs").mkdir()
+    rows = [{"system": "pagedchat", "decode_tok_per_s": 600.0, "ttft_s": 0.012, "of_floor": 0.6,
+             "floor": {"tok_per_s": 1000.0, "copy_gbps": 3000.0, "weight_bytes": 3e9}},
+            {"system": "pagedchat, graphs off", "decode_tok_per_s": 310.0, "ttft_s": 0.013, "of_floor": 0.31,
+             "floor": {"tok_per_s": 1000.0, "copy_gbps": 3000.0, "weight_bytes": 3e9}}]
+    script = ("import time\nfrom pagedchat.bench.common import report_partial\n"
+              f"for row in {rows!r}:\n    report_partial(row)\ntime.sleep(60)\n")
+    step = gpu.Step("batch1", 60, [sys.executable, "-c", script], gpu.read_batch1,
+                    read_partial=gpu.read_batch1_partial)
+    record = gpu.run_step(step, 8, tmp_path, dry_run=False)
+    assert record["status"] == "timeout"
+    f = record["figures"]
+    assert (f["decode_tok_per_s"], f["decode_graphs_off_tok_per_s"], f["ttft_ms"], f["floor_tok_per_s"],
+            f["unfinished"]) == (600.0, 310.0, 12.0, 1000.0, True)
+    assert f["int4_decode_tok_per_s"] is None
+
+    kernel_rows = [{"kernel": "device_copy", "gbps": 3000.0},
+                   {"kernel": "decode", "sweep": "batch", "batch": 64, "impl": "v2", "copy_frac": 0.8, "vs_sdpa": 1.1},
+                   {"kernel": "prefill", "batch": 1, "context": 16384, "new_tokens": 16384, "impl": "v1",
+                    "vs_sdpa": 0.4}]
+    figures = gpu.read_kernels_partial(kernel_rows, tmp_path)
+    assert figures["impls"] == {"v2": {"decode_copy_frac": 0.8, "decode_vs_sdpa": 1.1},
+                                "v1": {"prefill_16k_vs_sdpa": 0.4}}

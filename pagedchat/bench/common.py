@@ -191,6 +191,20 @@ def fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
+PARTIAL = "pagedchat-partial "   # the prefix of a finished row of a run still going (report_partial)
+
+
+def report_partial(row: dict) -> None:
+    """One finished row of a run still going, as a line on stderr: what a caller that stops the run at a time
+    limit keeps (the GPU check's steps read these when the run's own JSON never came)."""
+    print(PARTIAL + json.dumps(row, default=str), file=sys.stderr, flush=True)
+
+
+def partial_rows(stderr: str) -> list[dict]:
+    """The rows report_partial wrote into this output, in order."""
+    return [json.loads(line[len(PARTIAL):]) for line in stderr.splitlines() if line.startswith(PARTIAL)]
+
+
 def print_table(title: str, columns: list[str], rows: list[list], caption: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -26,7 +26,7 @@ import datetime as _dt
 import math
 from dataclasses import dataclass, replace
 
-from pagedchat.bench.common import machine_description, print_table, save_figure
+from pagedchat.bench.common import machine_description, print_table, report_partial, save_figure
 from pagedchat.errors import UserError
 
 # Sizes are chosen so the timed kernels move at least tens of MB (L2 is flushed before every launch anyway).
@@ -439,12 +439,19 @@ def run_kernel_bench(sweeps=tuple(DECODE_SWEEPS), kernels=("decode", "prefill", 
     timer = Timer(torch, warmup, iters)
     copy_gbps, matmul_tflops = measure_ceilings(torch, timer, torch_dtype)
     stamp = dict(date=_dt.date.today().isoformat(), machine=machine_description())
-    rows = [dict(kernel="device_copy", gbps=copy_gbps, **stamp),
-            dict(kernel="matmul", tflops=matmul_tflops, dtype=dtype, **stamp)]
+    rows = []
+
+    def add(new: list[dict]) -> None:   # each row also goes to stderr as it comes (a run cut short keeps them)
+        rows.extend(new)
+        for row in new:
+            report_partial(row)
+
+    add([dict(kernel="device_copy", gbps=copy_gbps, **stamp), dict(kernel="matmul", tflops=matmul_tflops,
+                                                                   dtype=dtype, **stamp)])
     decode_shapes = [shape for sweep in sweeps for shape in DECODE_SWEEPS[sweep]]
     if tune_first:
-        rows += tune(torch, Timer(torch, 2, 5), torch_dtype, decode_shapes if "decode" in kernels else [],
-                     PREFILL_CASES if "prefill" in kernels else [])
+        add(tune(torch, Timer(torch, 2, 5), torch_dtype, decode_shapes if "decode" in kernels else [],
+                 PREFILL_CASES if "prefill" in kernels else []))
     if "decode" in kernels:
         flex_fn = _flex_decode(torch) if flex else None
         for sweep in sweeps:
@@ -452,18 +459,18 @@ def run_kernel_bench(sweeps=tuple(DECODE_SWEEPS), kernels=("decode", "prefill", 
                 # Flex compiles once per shape and dynamo stops recompiling after a few shapes (then runs
                 # eagerly, a misleading peer): time it on the batch sweep only, which holds the headline.
                 peer = flex_fn if sweep == "batch" else None
-                rows += bench_decode(torch, timer, shape, sweep, torch_dtype, copy_gbps, peer, impls)
+                add(bench_decode(torch, timer, shape, sweep, torch_dtype, copy_gbps, peer, impls))
                 torch.cuda.empty_cache()
     if "prefill" in kernels:
         for batch, context, new in PREFILL_CASES:
-            rows += bench_prefill(torch, timer, batch, context, new, torch_dtype, matmul_tflops, impls)
+            add(bench_prefill(torch, timer, batch, context, new, torch_dtype, matmul_tflops, impls))
             torch.cuda.empty_cache()
     if "decode" in kernels or "prefill" in kernels:
-        rows += bench_host(torch, torch_dtype, impls)
+        add(bench_host(torch, torch_dtype, impls))
     if "write_kv" in kernels:
-        rows += [bench_write_kv(torch, timer, n, torch_dtype, copy_gbps) for n in WRITE_KV_TOKENS]
+        add([bench_write_kv(torch, timer, n, torch_dtype, copy_gbps) for n in WRITE_KV_TOKENS])
     if "copy_blocks" in kernels:
-        rows += [bench_copy_blocks(torch, timer, n, torch_dtype, copy_gbps) for n in COPY_BLOCK_PAIRS]
+        add([bench_copy_blocks(torch, timer, n, torch_dtype, copy_gbps) for n in COPY_BLOCK_PAIRS])
     goals = goal_rows(rows)
     if show:
         print_rows(rows, goals)

@@ -31,18 +31,20 @@ WORKLOADS = ("edit", "regen", "plain")
 
 
 def _engine(path, speculate: str, num_draft_tokens: int, device: str, draft_model: str | None,
-            max_num_seqs: int) -> Engine:
+            max_num_seqs: int, dtype: str = "auto") -> Engine:
     """Steps not overlapped on either side: in lockstep on one GPU, an overlapped step still computing when its
     call returns would be timed inside the other side's next step. (A GPU's plain decode overlaps its steps:
     the GPU check's batch-1 rows give that factor.)"""
-    config = EngineConfig(model=str(path), device=device, kv_memory="1GiB", speculate=speculate,
+    config = EngineConfig(model=str(path), device=device, dtype=dtype, kv_memory="1GiB", speculate=speculate,
                           num_draft_tokens=num_draft_tokens, draft_model=draft_model if speculate == "draft" else None,
                           max_num_seqs=max_num_seqs, overlap=False)
     return Engine(config, show_progress=False)
 
 
 def _prompts(engine: Engine, batch: int, seed: int, text_tokens: int) -> dict[str, tuple[list, list, SamplingParams]]:
-    """Per workload: prompts, context streams, sampling params (built with the plain engine)."""
+    """Per workload: prompts, context streams, sampling params (built with an engine of their own: an edit prompt
+    holds the text its engine decoded, so there its start would be a prefix-cache hit of K/V written by decode
+    steps, on one side only; in bf16 those differ from a prefill's by rounding, and greedy tokens could part)."""
     rng = random.Random(seed)
     vocab = engine.loaded.spec.vocab_size
     seeds = [[rng.randrange(3, vocab) for _ in range(16)] for _ in range(batch)]
@@ -106,16 +108,19 @@ class _Side:
 
 def run_spec_bench(path, name: str, method: str = "ngram", batches: tuple[int, ...] = (1, 16),
                    max_tokens: int = 128, num_draft_tokens: int = 6, repeats: int = 3, device: str = "cpu",
-                   threads: int | None = None, seed: int = 0, draft_model: str | None = None) -> dict:
+                   threads: int | None = None, seed: int = 0, draft_model: str | None = None,
+                   dtype: str = "auto") -> dict:
     if threads:
         torch.set_num_threads(threads)
-    plain_engine = _engine(path, "off", num_draft_tokens, device, None, max(batches))
-    spec_engine = _engine(path, method, num_draft_tokens, device, draft_model, max(batches))
+    writer = _engine(path, "off", num_draft_tokens, device, None, max(batches), dtype)
+    workloads = {batch: _prompts(writer, batch, seed + batch, max_tokens * 2) for batch in batches}
+    writer.close()
+    plain_engine = _engine(path, "off", num_draft_tokens, device, None, max(batches), dtype)
+    spec_engine = _engine(path, method, num_draft_tokens, device, draft_model, max(batches), dtype)
     rows = []
     for batch in batches:
-        workloads = _prompts(plain_engine, batch, seed + batch, max_tokens * 2)
         for workload in WORKLOADS:
-            prompts, contexts, params = workloads[workload]
+            prompts, contexts, params = workloads[batch][workload]
             off, on, identical = [], [], True
             before = spec_engine.speculator.stats.as_dict()
             for r in range(repeats):
@@ -135,7 +140,8 @@ def run_spec_bench(path, name: str, method: str = "ngram", batches: tuple[int, .
                          "proposed_tokens": proposed, "accepted_tokens": accepted,
                          "greedy_identical": identical if params.greedy else None})
     return {"model": name, "method": method, "max_tokens": max_tokens, "num_draft_tokens": num_draft_tokens,
-            "repeats": repeats, "threads": torch.get_num_threads(), "device": device, "rows": rows}
+            "repeats": repeats, "threads": torch.get_num_threads(), "device": device,
+            "dtype": str(plain_engine.loaded.dtype).removeprefix("torch."), "rows": rows}
 
 
 def _medians(rates: list[list[float]]) -> list[float]:

@@ -439,6 +439,7 @@ def spec(
     num_draft_tokens: int = typer.Option(6, "--num-draft-tokens", help="Most drafts per sequence and step."),
     repeats: int = typer.Option(3, "--repeats", help="Runs per side, taking turns; the median counts."),
     device: str = DEVICE,
+    dtype: str = DTYPE,
     threads: Optional[int] = THREADS,
     seed: int = SEED,
     as_json: bool = JSON,
@@ -459,7 +460,8 @@ def spec(
         draft = str(resolve_model(draft_model, None, random_size, Path(tmp))[0]) if draft_model else None
         result = run_spec_bench(path, name, method, batches=(1, batch) if batch > 1 else (1,),
                                 max_tokens=max_tokens, num_draft_tokens=num_draft_tokens, repeats=repeats,
-                                device=device, threads=_threads(threads, device), seed=seed, draft_model=draft)
+                                device=device, dtype=dtype, threads=_threads(threads, device), seed=seed,
+                                draft_model=draft)
     _finish(result, as_json, print_spec_report, plot, plot_spec)
 
 
@@ -664,6 +666,8 @@ def kernels(
                                                               "side by side (v1, v2); default both."),
     tune: bool = typer.Option(False, "--tune", help="First time v2's candidate configurations per shape class "
                                                     "and cache the fastest for this GPU."),
+    flex: bool = typer.Option(True, "--flex/--no-flex", help="Also time compiled FlexAttention on the batch sweep "
+                                                            "(its compile takes tens of seconds)."),
     as_json: bool = JSON,
     plot: Optional[str] = PLOT,
 ) -> None:
@@ -682,7 +686,7 @@ def kernels(
     split = lambda text: tuple(x.strip() for x in text.split(",") if x.strip())  # noqa: E731
     offered = {"show": not as_json, "plot_path": _plot_path(plot), "dtype": dtype, "iters": iters,
                "sweeps": split(sweeps) if sweeps else None, "kernels": split(which) if which else None,
-               "impls": split(impls) if impls else None, "tune_first": tune or None}
+               "impls": split(impls) if impls else None, "tune_first": tune or None, "flex": flex}
     accepted = inspect.signature(run_kernel_bench).parameters
     try:
         result = run_kernel_bench(**{k: v for k, v in offered.items() if k in accepted and v is not None})

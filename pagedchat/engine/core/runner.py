@@ -16,6 +16,7 @@ from pagedchat.engine.core.sequence import Sequence
 from pagedchat.engine.core.step_inputs import index_tensor, padded_tables, to_device, token_positions, token_slots
 from pagedchat.engine.kv.caches import KVCaches, kv_bytes_per_token, kv_cache_dtype
 from pagedchat.errors import SettingError
+from pagedchat.kernels.triton_attention_configs import PREFILL_CLASS_LENGTHS
 from pagedchat.memory import available_ram
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.model.loader import LoadedModel
@@ -96,6 +97,8 @@ class ModelRunner:
         self.graphs = None
         if self._graphs_wanted(config):
             self.graphs = DecodeGraphs.capture(self, *DecodeGraphs.rows_for(config))
+        if self.device.type == "cuda":
+            self._warm_prefill_kernels(config)
         # The native CPU decode step (pagedchat/native), once its library is built: the first process on a
         # machine builds it in the background and takes the torch path meanwhile.
         self.native = None
@@ -209,6 +212,28 @@ class ModelRunner:
             is_decode=False, max_seq_len=num_tokens)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
         self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=dev), meta)[-1:])
+        torch.cuda.synchronize(dev)
+
+    @torch.inference_mode()
+    def _warm_prefill_kernels(self, config: EngineConfig) -> None:
+        """One prompt of each prefill size class through the model now (decode's are compiled by the graph
+        capture): the first prompt of each size would otherwise wait seconds for Triton to compile its kernels,
+        in the middle of a conversation or a timed run. They write nothing (every slot -1: the pool is live) and
+        their logits are dropped; Triton's cache makes this a load, not a compile, from the second start on."""
+        dev = self.device
+        for length in PREFILL_CLASS_LENGTHS:
+            n = min(length, config.max_num_batched_tokens, self.loaded.max_model_len)
+            meta = AttentionMetadata(slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
+                                     block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32,
+                                                              device=dev),
+                                     seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                                     cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                                     is_decode=False, max_seq_len=n)
+            meta.window_metas = [AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                                   meta.cu_seqlens_q, False, n)
+                                 for _ in range(self._window_groups())] or None
+            positions = torch.arange(n, device=dev)
+            self.model.compute_logits(self.model(torch.zeros(n, dtype=torch.long, device=dev), positions, meta)[-1:])
         torch.cuda.synchronize(dev)
 
     # -- blocks in and out (the RAM and disk tiers) ----------------------------------------------------------
