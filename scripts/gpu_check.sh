@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command measures the GPU: the GPU tests, batch-1 decode and TTFT, 256-request throughput and the kernel
-# benchmark, each step under its own time limit, all in under 8 minutes on one H100/H200. Writes
+# benchmark, each step under its own time limit, all in under 10 minutes on one H100/H200. Writes
 # OUTDIR/gpu-check.json (date, git revision, GPU, driver, versions, every figure, each step's status) and prints a
 # short table. Needs CUDA torch, triton and transformers; installs this project without network access. The
 # batch-1 row of the model's shape as a Q4_K_M GGUF file (against the model in bf16) also needs gguf-py (`gguf`,
