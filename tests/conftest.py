@@ -66,10 +66,10 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     """Each test's outcome as it comes, one JSON line in $PAGEDCHAT_TEST_OUTCOMES: a run stopped at its time limit
-    (the GPU check's tests step) keeps what it learnt, failure messages included. Under xdist this runs in the
-    controller, so one process writes the file."""
+    (the GPU check's tests step) keeps what it learnt, failure messages included. Under xdist the controller
+    writes it (it hears every worker's reports; a worker writing too would count each test twice)."""
     path = os.environ.get("PAGEDCHAT_TEST_OUTCOMES")
-    if not path or (report.when != "call" and report.passed):
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or (report.when != "call" and report.passed):
         return
     import json
 
