@@ -117,7 +117,7 @@ def test_the_prefill_warm_up_runs_every_size_class_and_leaves_the_pool_alone(sha
         engine.runner._warm_prefill_kernels(dataclasses.replace(config, max_num_batched_tokens=80))
     assert lengths == [64, 80, 80]    # each class's length, cut to the step budget
     for before, after in zip(pool, engine.runner.k_caches + engine.runner.v_caches):
-        assert torch.equal(before, after)
+        assert torch.equal(before.view(torch.uint8), after.view(torch.uint8))   # bits: unused blocks may hold NaN
     assert_greedy_equal(first.token_ids, *reference(hf, prompt, NEW))
     child = engine.fork(first.handle, greedy)
     while not engine.is_finished(child):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedchat.bench import gpu
+from pagedchat.bench.common import PARTIAL_ENV
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.sh"
 ABSENT_ON_THE_GPU_MACHINE = ("prompt_toolkit", "fastapi", "uvicorn", "llguidance", "starlette")
@@ -147,7 +148,10 @@ def test_a_benchmark_cut_at_its_limit_keeps_the_rows_it_finished(tmp_path):
     script = ("import time\nfrom pagedchat.bench.common import report_partial\n"
               f"for row in {rows!r}:\n    report_partial(row)\ntime.sleep(60)\n")
     step = gpu.Step("batch1", 60, [sys.executable, "-c", script], gpu.read_batch1,
-                    read_partial=gpu.read_batch1_partial)
+                    read_partial=gpu.read_batch1_partial, env={PARTIAL_ENV: "1"})
+    quiet = subprocess.run([sys.executable, "-c", script.replace("time.sleep(60)", "")], capture_output=True,
+                           text=True, timeout=60, env={k: v for k, v in os.environ.items() if k != PARTIAL_ENV})
+    assert quiet.stderr == ""    # a user's run prints no rows of its own
     record = gpu.run_step(step, 8, tmp_path, dry_run=False)
     assert record["status"] == "timeout"
     f = record["figures"]

@@ -192,12 +192,14 @@ def fmt(value, digits: int = 3) -> str:
 
 
 PARTIAL = "pagedchat-partial "   # the prefix of a finished row of a run still going (report_partial)
+PARTIAL_ENV = "PAGEDCHAT_PARTIAL_ROWS"   # set by a caller that reads them (the GPU check); else nothing is printed
 
 
 def report_partial(row: dict) -> None:
-    """One finished row of a run still going, as a line on stderr: what a caller that stops the run at a time
-    limit keeps (the GPU check's steps read these when the run's own JSON never came)."""
-    print(PARTIAL + json.dumps(row, default=str), file=sys.stderr, flush=True)
+    """One finished row of a run still going, as a line on stderr, when the caller asked for them: what a caller
+    that stops the run at a time limit keeps (the GPU check's steps read these when the run's JSON never came)."""
+    if os.environ.get(PARTIAL_ENV):
+        print(PARTIAL + json.dumps(row, default=str), file=sys.stderr, flush=True)
 
 
 def partial_rows(stderr: str) -> list[dict]:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pagedchat.bench.common import partial_rows
+from pagedchat.bench.common import PARTIAL_ENV, partial_rows
 
 REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 560          # the whole run, steps included: under 10 minutes (a lent GPU's call), start-up aside
@@ -252,13 +252,13 @@ def plan(outdir: Path, model_dir: Path) -> list[Step]:
         Step("model", 45, [py, "-m", "pagedchat.bench.gpu", "--build-model", str(model_dir)], read_nothing,
              dry_argv=_canned({})),
         Step("batch1", 170, cli + ["batch1", "-m", str(model_dir), "--device", "cuda", "--json"], read_batch1,
-             dry_argv=_canned(_DRY_BATCH1), read_partial=read_batch1_partial),
+             dry_argv=_canned(_DRY_BATCH1), read_partial=read_batch1_partial, env={PARTIAL_ENV: "1"}),
         Step("throughput", 70, cli + ["throughput", "-m", str(model_dir), "--device", "cuda", *THROUGHPUT_ARGS,
                                       "--timeout", "40", "--json"], read_throughput,
              dry_argv=_canned(_DRY_THROUGHPUT)),
         # Both attention generations side by side in one run; FlexAttention's compile would take the step's time.
         Step("kernels", 90, cli + ["kernels", "--sweeps", "batch", "--no-flex", "--iters", "10", "--json"],
-             read_kernels, dry_argv=_canned(_DRY_KERNELS), read_partial=read_kernels_partial),
+             read_kernels, dry_argv=_canned(_DRY_KERNELS), read_partial=read_kernels_partial, env={PARTIAL_ENV: "1"}),
         # The demo model: a trained model repeats what it read, a random one never does (ngram drafts nothing).
         # fp32: greedy tokens are compared, and bf16's rounding differs between a verify step's rows and decode's.
         Step("spec", 60, cli + ["spec", "-m", "demo", "--device", "cuda", "--dtype", "float32", "--batch", "8",
