@@ -231,7 +231,7 @@ _DRY_KERNELS = {"measurements": [{"kernel": "device_copy", "gbps": 1.0},
                                   "vs_sdpa": 0.5}]}
 
 
-def test_workers() -> list[str]:
+def xdist_workers() -> list[str]:
     """pytest-xdist's workers where it is installed: the GPU tests spend most of their time compiling Triton
     kernels on the CPU, which eight processes do side by side (16 cores; the GPU has memory for all eight)."""
     import importlib.util
@@ -240,13 +240,13 @@ def test_workers() -> list[str]:
 
 
 def plan(outdir: Path, model_dir: Path) -> list[Step]:
-    """The steps in order of what the goals rest on, each limit what it took on an H100 with room to spare."""
+    """The steps in order of what the goals rest on; the limits come from the first run on an H100, with room."""
     py, cli = sys.executable, [sys.executable, "-m", "pagedchat.cli", "bench"]
     install = [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-e", "."]
     tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *GPU_TESTS]
     return [
         Step("install", 45, install, read_nothing, dry_argv=install[:4] + ["--dry-run"] + install[4:]),
-        Step("tests", 200, tests + test_workers() + [f"--junitxml={outdir / 'gpu-tests.xml'}"], read_tests,
+        Step("tests", 200, tests + xdist_workers() + [f"--junitxml={outdir / 'gpu-tests.xml'}"], read_tests,
              dry_argv=tests + ["--collect-only"], env={"PAGEDCHAT_TEST_OUTCOMES": str(outdir / OUTCOMES)},
              outputs=("gpu-tests.xml", OUTCOMES)),
         Step("model", 45, [py, "-m", "pagedchat.bench.gpu", "--build-model", str(model_dir)], read_nothing,
