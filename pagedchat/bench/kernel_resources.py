@@ -51,14 +51,13 @@ def _signature(jit, launch) -> tuple[dict, dict, dict]:
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, bool):
             signature[name] = "i1"
-        elif isinstance(value, int) and jit.params[i].do_not_specialize:   # (kernels' varies_per_step)
-            signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
         elif isinstance(value, int):
-            if value == 1:  # the runtime turns integer arguments equal to 1 into constants
+            specialized = not jit.params[i].do_not_specialize   # (kernels' varies_per_step)
+            if specialized and value == 1:  # the runtime turns integer arguments equal to 1 into constants
                 signature[name], constexprs[name] = "constexpr", 1
                 continue
             signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
-            if value % 16 == 0:
+            if specialized and value % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
             signature[name] = "fp32"

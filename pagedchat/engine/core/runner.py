@@ -201,18 +201,11 @@ class ModelRunner:
     def _profile_forward(self, config: EngineConfig) -> None:
         """One prefill of a full step's tokens into a throw-away cache, to measure activation memory."""
         num_tokens = min(config.max_num_batched_tokens, self.loaded.max_model_len)
-        dev = self.device
         blocks = -(-num_tokens // self.block_size)
         self._bind_scratch_pool(blocks)
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=dev),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=dev)[None],
-            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-            is_decode=False, max_seq_len=num_tokens)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=dev)
-        self.model.compute_logits(self.model(ids, torch.arange(num_tokens, device=dev), meta)[-1:])
-        torch.cuda.synchronize(dev)
+        self._forward_prompt(num_tokens, torch.arange(num_tokens, device=self.device),
+                             torch.arange(blocks, dtype=torch.int32, device=self.device))
+        torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def _warm_prefill_kernels(self, config: EngineConfig) -> None:
@@ -223,18 +216,21 @@ class ModelRunner:
         dev = self.device
         for length in PREFILL_CLASS_LENGTHS:
             n = min(length, config.max_num_batched_tokens, self.loaded.max_model_len)
-            meta = AttentionMetadata(slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev),
-                                     block_tables=torch.zeros((1, -(-n // self.block_size)), dtype=torch.int32,
-                                                              device=dev),
-                                     seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-                                     cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
-                                     is_decode=False, max_seq_len=n)
-            meta.window_metas = [AttentionMetadata(meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                                   meta.cu_seqlens_q, False, n)
-                                 for _ in range(self._window_groups())] or None
-            positions = torch.arange(n, device=dev)
-            self.model.compute_logits(self.model(torch.zeros(n, dtype=torch.long, device=dev), positions, meta)[-1:])
+            self._forward_prompt(n, torch.full((n,), -1, dtype=torch.long, device=dev),
+                                 torch.zeros(-(-n // self.block_size), dtype=torch.int32, device=dev))
         torch.cuda.synchronize(dev)
+
+    def _forward_prompt(self, n: int, slots: torch.Tensor, table: torch.Tensor) -> None:
+        """One sequence's n-token prompt (token 0 throughout) through the model with these slots and block table,
+        its logits dropped: start-up's measuring and warming forwards. (A window layer group reads the same table:
+        with no window_metas, every layer takes the step's own.)"""
+        dev = self.device
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=table[None],
+                                 seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                                 cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                                 is_decode=False, max_seq_len=n)
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.model.compute_logits(self.model(ids, torch.arange(n, device=dev), meta)[-1:])
 
     # -- blocks in and out (the RAM and disk tiers) ----------------------------------------------------------
     @property
