@@ -16,7 +16,7 @@ from ctypes import c_int, c_int64, c_void_p
 import torch
 
 from pagedchat.model.gguf import quants
-from pagedchat.native.step import GGML_BLOCKS
+from pagedchat.native.abi import GGML_BLOCKS
 
 # the block formats decode.c dequantizes: those its step multiplies (the float ones are a view and a cast in
 # torch already)

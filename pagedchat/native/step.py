@@ -5,10 +5,9 @@ the C step does not cover, and the runner keeps the torch path for those: anothe
 soft-capping, MoE, Phi-3's partial rotary), a dtype other than fp32 (its weights, beside int8 and int4
 layers and a GGUF file's formats; its pool, beside int8 K/V with float16 scales), a GGUF layer with a part in a
 type decode.c does not read (GGML_NATIVE lists those it does) or with float parts (F16, BF16) beside block-format
-ones, a device other than CPU, or no compiler. The structs below mirror decode.c's; their sizes are checked
-against the library's.
+ones, a device other than CPU, or no compiler. The structs it fills are decode.c's (native/abi.py).
 
-A GGUF layer (pagedchat/model/gguf/linear.py) is read in the file's layout, nothing repacked: one _Linear per
+A GGUF layer (pagedchat/model/gguf/linear.py) is read in the file's layout, nothing repacked: one Linear per
 part, chained, so fused q/k/v and gate/up whose parts have different types run each part in its own format.
 """
 
@@ -19,56 +18,18 @@ import mmap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from ctypes import POINTER, c_float, c_int, c_int64, c_void_p
+from ctypes import POINTER, c_int64, c_void_p
 
 import torch
 from torch import nn
 
 from pagedchat.memory import libc
-from pagedchat.native import build
+from pagedchat.native import abi, build
+from pagedchat.native.abi import (FMT_F32, FMT_GGML, FMT_I4, FMT_I8, GGML_BLOCKS, GGML_FLOATS,  # noqa: F401
+                                  GGML_NATIVE, MAX_HEAD_DIM, Layer, Linear, Model, ThreadChoice)
 from pagedchat.native.paths import PathChoice
 
 _ptr = c_void_p
-
-
-FMT_F32, FMT_I8, FMT_I4 = 0, 1, 2  # decode.c's weight formats
-FMT_GGML = 100  # a GGUF format: this + its ggml type number
-# The GGUF types decode.c reads in the file's layout (pagedchat/model/gguf/quants.py describes them), by ggml
-# type number. Block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K) meet the input
-# quantized to 8 bits a block of 32; float ones (F16, BF16) meet it in fp32 (decode.c tile_f16 says why). A
-# layer's parts share one input, so they are all of one kind.
-GGML_BLOCKS = frozenset({2, 3, 6, 7, 8, 10, 11, 12, 13, 14})
-GGML_FLOATS = frozenset({1, 30})
-GGML_NATIVE = GGML_BLOCKS | GGML_FLOATS
-
-
-class _Linear(ctypes.Structure):
-    pass
-
-
-# next: the rows past `rows`, in another part's format (decode.c's Linear says how a layer of several formats is
-# held); NULL for a layer of one
-_Linear._fields_ = [("weight", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", c_int64), ("in_", c_int64),
-                    ("format", c_int64), ("rows", c_int64), ("next", POINTER(_Linear))]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("q_norm", _ptr), ("k_norm", _ptr),
-                ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("k_cache", _ptr), ("v_cache", _ptr), ("k_scales", _ptr), ("v_scales", _ptr),
-                ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr), ("cos", _ptr), ("sin", _ptr),
-                ("window", c_int64), ("group", c_int64)]
-
-
-class _Model(ctypes.Structure):
-    _fields_ = [("hidden", c_int64), ("num_layers", c_int64), ("num_heads", c_int64),
-                ("num_kv_heads", c_int64), ("head_dim", c_int64), ("vocab", c_int64), ("block_size", c_int64),
-                ("eps", c_float), ("scale", c_float), ("embed", _ptr), ("norm", _ptr), ("lm_head", _Linear),
-                ("cos", _ptr), ("sin", _ptr), ("layers", POINTER(_Layer)), ("embed_scale", c_float),
-                ("gelu", c_int64), ("embed_format", c_int64), ("embed_row_bytes", c_int64)]
-
-
-MAX_HEAD_DIM = 1024  # decode.c's rotary scratch
 
 
 def _plain(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -108,8 +69,8 @@ def _int4_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
     return packed, scales
 
 
-def _gguf_linear(module: nn.Module) -> _Linear | None:
-    """A GGUFLinear read in the file's layout: one _Linear per part, chained through `next` (q, k and v, or gate
+def _gguf_linear(module: nn.Module) -> Linear | None:
+    """A GGUFLinear read in the file's layout: one Linear per part, chained through `next` (q, k and v, or gate
     and up, may each be another type); None when a part's type is one decode.c does not read, float parts sit
     beside block-format ones (the two kinds take their input in different forms), or a part is not plain CPU
     bytes."""
@@ -118,15 +79,11 @@ def _gguf_linear(module: nn.Module) -> _Linear | None:
     if not all(qtype in GGML_NATIVE and _plain(raw, torch.uint8) for raw, qtype in parts) or len(kinds) > 1 \
             or module.in_features % 32 or not _fp32(module.bias):
         return None
-    chain = None
-    for raw, qtype in reversed(parts):  # (built from the last part: each points at the one after it)
-        chain = _Linear(_addr(raw), None, None, 0, module.in_features, FMT_GGML + qtype, raw.shape[0],
-                        None if chain is None else ctypes.pointer(chain))
-    chain.out, chain.bias = module.out_features, _addr(module.bias)
-    return chain
+    return abi.chain([(_addr(raw), qtype, raw.shape[0]) for raw, qtype in parts], module.in_features,
+                     module.out_features, _addr(module.bias))
 
 
-def _linear(module: nn.Module) -> _Linear | None:
+def _linear(module: nn.Module) -> Linear | None:
     """A plain, oneDNN-packed (its plain weight), int8, int4 or GGUF layer; None for anything else."""
     from pagedchat.model.gguf.linear import GGUFLinear
     from pagedchat.model.packed import PackedLinear
@@ -153,7 +110,7 @@ def _linear(module: nn.Module) -> _Linear | None:
         return None
     if not _fp32(bias):
         return None
-    return _Linear(_addr(w), _addr(scales), _addr(bias), out, in_, fmt, out, None)
+    return Linear(_addr(w), _addr(scales), _addr(bias), out, in_, fmt, out, None)
 
 
 def runs_gguf_as_stored(model: nn.Module, dtype: torch.dtype) -> bool:
@@ -300,7 +257,7 @@ def run_linear(module: nn.Module, x: torch.Tensor, lib: ctypes.CDLL | None = Non
     assert lib is not None and layer is not None, "no native library, or a layer it does not take"
     x = x.float().contiguous()
     y = torch.empty((x.shape[0], layer.out), dtype=torch.float32)
-    lib.pc_linear.argtypes = [POINTER(_Linear), _ptr, c_int64, _ptr]
+    lib.pc_linear.argtypes = [POINTER(Linear), _ptr, c_int64, _ptr]
     if lib.pc_linear(ctypes.byref(layer), x.data_ptr(), x.shape[0], y.data_ptr()) != 0:
         raise MemoryError("native linear: no memory for its scratch buffers")
     return y
@@ -403,96 +360,10 @@ def _weight_names(module: nn.Module) -> list[str]:
     return ["packed" if _int4_tensors(module) is not None else "weight"]
 
 
-class ThreadChoice:
-    """How many threads a decode step of each batch size runs on: the thread budget, half of it, or one,
-    whichever measures fastest.
-
-    Why: beside a busy process one of our threads shares its core, and every phase of a step waits for it at a
-    barrier. On the 2-core machine (small llama, batch 1, beside a CPU burner) 2 threads then ran a step in
-    9.7 ms and 1 thread in 8.7 ms; on the quiet machine 2 threads take 3.9 ms and 1 takes 8.7 ms.
-
-    How, without costing a quiet machine anything: a step's CPU time over its wall time and threads says
-    whether its threads had their cores (0.98-0.99 quiet, 0.43-0.52 beside a burner, measured). A few steps of
-    low use, or of sudden slowness, start a trial: TRIAL_STEPS steps on another option, and the cheapest
-    option is kept. Below the full budget, trials come every so often (16 steps, doubling to MAX_INTERVAL) to
-    notice when the cores are free again; at the full budget only every MAX_INTERVAL steps."""
-
-    TRIAL_STEPS = 5           # the first of them warms the other thread count up and is not counted
-    AFTER_SWITCH = 16
-    MAX_INTERVAL = 1024
-    BUSY_USE = 0.75           # CPU time / (wall time x threads) below this: the threads did not have their cores
-    SLOWER = 1.4              # or a step this much slower than the option's average
-    STRIKES = 3               # this many such steps in a row start a trial
-    EMA = 0.3
-
-    def __init__(self, budget: int):
-        self.options = sorted({budget, max(1, budget // 2), 1}, reverse=True)
-        self.batches: dict[int, _Choice] = {}
-
-    def _state(self, batch: int) -> "_Choice":
-        if batch not in self.batches:
-            self.batches[batch] = _Choice(best=self.options[0], interval=self.AFTER_SWITCH,
-                                          next_trial=self.MAX_INTERVAL)
-        return self.batches[batch]
-
-    def pick(self, batch: int) -> int:
-        if len(self.options) == 1:
-            return self.options[0]
-        st = self._state(batch)
-        if st.left == 0:
-            st.steps += 1
-            if st.steps >= st.next_trial or st.strikes >= self.STRIKES:
-                others = [t for t in self.options if t != st.best]
-                st.trial, st.left, st.strikes = others[st.trials % len(others)], self.TRIAL_STEPS, 0
-                st.trials += 1
-        return st.trial if st.left else st.best
-
-    def record(self, batch: int, threads: int, seconds: float, cpu_seconds: float) -> None:
-        """One step's wall time and the process's CPU time during it (other threads of ours that run meanwhile
-        count too: they can hide a starved step, never invent one)."""
-        if len(self.options) == 1:
-            return
-        st = self._state(batch)
-        if st.left == 0:  # a step of the chosen option
-            starved = threads > 1 and cpu_seconds < self.BUSY_USE * seconds * threads
-            slow = threads in st.cost and seconds > self.SLOWER * st.cost[threads]
-            st.strikes = st.strikes + 1 if starved or slow else 0
-        else:
-            st.left -= 1
-            if st.left == self.TRIAL_STEPS - 1:
-                return  # the warm-up step
-        old = st.cost.get(threads)
-        st.cost[threads] = seconds if old is None else (1 - self.EMA) * old + self.EMA * seconds
-        if st.trial is not None and st.left == 0:
-            best = min(st.cost, key=st.cost.get)
-            if best == self.options[0]:
-                st.interval = self.MAX_INTERVAL
-            elif best != st.best:
-                st.interval = self.AFTER_SWITCH
-            else:
-                st.interval = min(2 * st.interval, self.MAX_INTERVAL)
-            st.best, st.trial = best, None
-            st.next_trial = st.steps + st.interval
-
-
-@dataclass
-class _Choice:
-    """ThreadChoice's state for one batch size."""
-    best: int                     # the thread count in use
-    interval: int                 # steps between trials
-    next_trial: int               # the step count at which the next trial starts
-    cost: dict[int, float] = field(default_factory=dict)  # threads -> average seconds per step
-    steps: int = 0                # steps taken on the chosen option
-    trial: int | None = None      # the thread count on trial
-    left: int = 0                 # steps of the trial still to run
-    trials: int = 0               # trials so far (they take the other options in turn)
-    strikes: int = 0              # starved or slow steps in a row
-
-
 class NativeDecode:
     """Runs a decode step through decode.c; holds the tensors it points into so they stay alive."""
 
-    def __init__(self, lib: ctypes.CDLL, model_struct: _Model, layers, keep: list, paths: PathChoice, groups: int = 1,
+    def __init__(self, lib: ctypes.CDLL, model_struct: Model, layers, keep: list, paths: PathChoice, groups: int = 1,
                  rotaries: list = ()):
         self.lib, self.struct, self.layers, self.keep = lib, model_struct, layers, keep
         self.rotaries = list(rotaries)  # whose cos / sin tables the struct points into
@@ -500,9 +371,7 @@ class NativeDecode:
         self.vocab = model_struct.vocab
         self.threads: ThreadChoice | None = None
         self.paths = paths  # native or torch, per size of step (pagedchat/native/paths.py)
-        lib.pc_step.restype = c_int
-        lib.pc_step.argtypes = [POINTER(_Model), c_int64, _ptr, _ptr, c_int64, _ptr, _ptr, c_int64, _ptr, c_int,
-                                c_int64, _ptr]
+        abi.declare_step(lib)
 
     @staticmethod
     def supports(model: nn.Module, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -522,8 +391,7 @@ class NativeDecode:
         if plan is None:
             return None
         lib = build.load()
-        if lib is None or lib.pc_sizeof_model() != ctypes.sizeof(_Model) \
-                or lib.pc_sizeof_layer() != ctypes.sizeof(_Layer):
+        if not abi.matches(lib):
             return None
         spec = model.spec
         table = getattr(model.embed_tokens, "blocks", None)
@@ -531,17 +399,17 @@ class NativeDecode:
         arena = gather_weights(_weights_in_step_order(model))
         if tied:   # a GGUF table tied to the head: both read the head's copy in the arena (the file's pages go)
             model.embed_tokens.blocks = model.lm_head.part0
-        layers = (_Layer * spec.num_layers)()
+        layers = (Layer * spec.num_layers)()
         slot = {id(t): i for i, t in enumerate(k_caches)}   # a layer's scales: those of its cache in the pool
         for i, p in enumerate(plan.layers):
             linears = [_linear(m) for m in p.linears]
             scales = (k_scales[slot[id(p.k_cache)]], v_scales[slot[id(p.k_cache)]]) if k_scales else (None, None)
-            layers[i] = _Layer(*(_addr(t) for t in (p.input_norm, p.post_norm, p.q_norm, p.k_norm)), *linears,
+            layers[i] = Layer(*(_addr(t) for t in (p.input_norm, p.post_norm, p.q_norm, p.k_norm)), *linears,
                                *(_addr(t) for t in (p.k_cache, p.v_cache, *scales, p.attn_out_norm,
                                                     p.mlp_out_norm, p.cos, p.sin)), p.window, p.group)
         lm_head = _linear(model.lm_head)
         table, table_format = _embedding(model.embed_tokens)
-        struct = _Model(spec.hidden_size, spec.num_layers, spec.num_heads,
+        struct = Model(spec.hidden_size, spec.num_layers, spec.num_heads,
                         spec.num_kv_heads, spec.head_dim, spec.vocab_size, block_size, spec.rms_norm_eps,
                         plan.scale, _addr(table), _addr(plan.norm), lm_head, _addr(plan.cos),
                         _addr(plan.sin), layers, plan.embed_scale, int(plan.gelu), table_format,
