@@ -9,10 +9,14 @@ import signal
 import threading
 from contextlib import closing, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagedchat.engine import Branch, Engine, PoolStats, RequestOutput, SamplingParams
+from pagedchat.engine import Branch, PoolStats, RequestOutput, SamplingParams
 from pagedchat.errors import ContextTooLong, PoolTooSmall, UserError
 from pagedchat.settings import cli_words
+
+if TYPE_CHECKING:   # only an annotation here: `run` uses stop_on_ctrl_c without loading the engine (pagedchat/quick)
+    from pagedchat.engine import Engine
 
 
 class ContextFull(UserError):

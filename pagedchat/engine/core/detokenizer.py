@@ -10,12 +10,18 @@ def decode_new_text(tokenizer, seq: Sequence) -> str:
     if tokenizer is None:
         return ""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
+    if _streams(backend):
         delta = _stream_step(backend, seq)
     else:
         delta = _window_step(tokenizer, seq)
     seq.text += delta
     return delta
+
+
+def _streams(backend) -> bool:
+    """A `tokenizers` Tokenizer decodes a stream itself; another backend (model/gguf/spm.py's, built without that
+    library) is read by windows through the tokenizer's decode."""
+    return backend is not None and type(backend).__module__.partition(".")[0] == "tokenizers"
 
 
 def _stream_step(backend, seq: Sequence) -> str:

@@ -12,10 +12,12 @@ are kept: never a full-vocabulary row per prompt token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagedchat.engine.core.sampling_params import MAX_TOP_LOGPROBS  # noqa: F401  (re-exported)
+
+if TYPE_CHECKING:   # TokenLogprob is an output type of the torch-free one-shot path too (pagedchat/quick)
+    import torch
 
 ROWS_PER_PASS = 256      # LM-head rows per pass when scoring a prompt chunk: bounds the [rows, vocab] temporary
 
@@ -29,6 +31,8 @@ class TokenLogprob:
 
 def reduce_rows(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprob]:
     """log_softmax each row; keep the chosen token's value and the top k."""
+    import torch
+
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     picked = logprobs.gather(-1, chosen[:, None].to(logprobs.device))[:, 0].tolist()
     if k > 0:
@@ -41,6 +45,8 @@ def reduce_rows(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> list[Toke
 
 def score_prompt_chunk(compute_logits, hidden: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprob]:
     """Row i of `hidden` predicts targets[i]; the LM head runs ROWS_PER_PASS rows at a time."""
+    import torch
+
     assert hidden.shape[0] == len(targets)
     out: list[TokenLogprob] = []
     for start in range(0, len(targets), ROWS_PER_PASS):
