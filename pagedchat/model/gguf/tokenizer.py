@@ -210,14 +210,22 @@ class GGUFTokenizer(FastTokenizer):
         return self._hf
 
 
-def load_gguf_tokenizer(metadata: dict[str, object], source: str) -> GGUFTokenizer:
+def load_gguf_tokenizer(metadata: dict[str, object], source: str, light: bool = False) -> GGUFTokenizer:
     """The tokenizer and chat template of a GGUF file from its metadata (GGUF key -> value); `source` is the
-    file's path. ModelLoadError for a vocabulary llama.cpp would refuse or this cannot reproduce."""
+    file's path. ModelLoadError for a vocabulary llama.cpp would refuse or this cannot reproduce.
+
+    light: a SentencePiece vocabulary gets the pure-Python backend of spm.py (the same ids and text, built in
+    milliseconds instead of seconds, without the `tokenizers` package); other vocabularies are unaffected."""
     vocab = _Vocab(metadata, source)
     special = {_TOKEN_NAMES[k]: vocab.tokens[i] for k, i in vocab.ids.items() if k in _TOKEN_NAMES and i is not None}
     template = metadata.get("tokenizer.chat_template")
-    return GGUFTokenizer(source, _backend(vocab), special, template if isinstance(template, str) else None,
-                         vocab.eog)
+    if light and vocab.style == "sentencepiece":
+        from pagedchat.model.gguf.spm import SentencePieceBackend
+
+        backend = SentencePieceBackend(vocab)
+    else:
+        backend = _backend(vocab)
+    return GGUFTokenizer(source, backend, special, template if isinstance(template, str) else None, vocab.eog)
 
 
 def stop_token_ids(metadata: dict[str, object], tokenizer) -> list[int]:
