@@ -21,7 +21,8 @@ FLOORS = [   # (name, module prefixes), top to bottom
     ("front ends", ["pagedchat.chat", "pagedchat.serve", "pagedchat.web", "pagedchat.bench"]),
     ("shared by the front ends", ["pagedchat.settings", "pagedchat.prompts", "pagedchat.registry",
                                   "pagedchat.remote", "pagedchat.reasoning"]),
-    ("engine API", ["pagedchat.engine.engine", "pagedchat.engine.outputs", "pagedchat.engine"]),
+    ("engine API", ["pagedchat.engine.engine", "pagedchat.engine.outputs", "pagedchat.engine",
+                    "pagedchat.quick"]),   # quick: the torch-free engine of a one-shot run
     ("engine: ways of decoding", ["pagedchat.engine.decoding"]),
     ("engine: core", ["pagedchat.engine.core"]),
     ("engine: KV pool and tiers", ["pagedchat.engine.kv"]),

@@ -13,6 +13,8 @@ from pagedchat.settings import (  # noqa: F401  (re-exported for the commands)
     cli_words,
     is_remote,
     load_engine,
+    engine_config,
+    resolve_entry,
     resolve_sampling,
 )
 

@@ -95,22 +95,20 @@ def run(
     jobs = _read_batch(file) if file is not None else [{"prompt": _prompt_text(prompt)}]
     grammar = _schema_grammar(json_schema)
     remote = _remote(model_opts, logprobs, grammar)
-    engine, entry = remote or common.load_engine(model_opts, show_progress=not as_json)
-    default_system = system if system is not None else entry.get("system_prompt").value
-    requests = []
+    entry = remote[1] if remote else common.resolve_entry(model_opts)
+    params_list = []
     for i, job in enumerate(jobs):
         overrides = {k: job[k] for k in common.SamplingOptions.__dataclass_fields__ if k in job}
         params, _ = common.resolve_sampling(entry, sampling, {**overrides, "__source__": f"{file} line {i + 1}"})
-        params = params.with_(n=job["n"] if job.get("n") is not None else num_variants, logprobs=logprobs,
-                              grammar=grammar, **beam)
-        text = job["prompt"]
-        if raw:
-            ids = engine.encode(text)
-        elif engine.tokenizer is None:    # a server whose model has no local tokenizer: chat messages only
-            ids = []
-        else:
-            ids = common.chat_prompt_ids(engine, text, job.get("system", default_system))
-        requests.append((ids, params))
+        params_list.append(params.with_(n=job["n"] if job.get("n") is not None else num_variants,
+                                        logprobs=logprobs, grammar=grammar, **beam))
+    engine = remote[0] if remote else _quick_engine(model_opts, entry, params_list) \
+        or common.load_engine(model_opts, show_progress=not as_json)[0]
+    default_system = system if system is not None else entry.get("system_prompt").value
+    requests = [(_prompt_ids(engine, job, raw, default_system), params) for job, params in zip(jobs, params_list)]
+    if _quick_prompt_too_long(engine, requests):
+        engine.close()
+        engine = common.load_engine(model_opts, show_progress=not as_json)[0]
     thinking = None if raw or engine.tokenizer is None else [_opens_thinking(engine, ids) for ids, _ in requests]
     if remote:
         messages = [_job_messages(job, default_system) for job in jobs]
@@ -121,6 +119,34 @@ def run(
         finally:
             engine.close()  # the prompts' KV goes to the disk tier: the next run with the same prefix loads it
     raise typer.Exit(code)
+
+
+def _prompt_ids(engine, job: dict, raw: bool, default_system) -> list[int]:
+    text = job["prompt"]
+    if raw:
+        return engine.encode(text)
+    if engine.tokenizer is None:    # a server whose model has no local tokenizer: chat messages only
+        return []
+    return common.chat_prompt_ids(engine, text, job.get("system", default_system))
+
+
+def _quick_engine(model_opts, entry, params_list: list):
+    """The torch-free engine (pagedchat/quick) for one prompt it runs as the engine would; None otherwise."""
+    from pagedchat.quick.engine import takes
+
+    if len(params_list) != 1 or not takes(params_list[0]):
+        return None
+    from pagedchat import quick
+
+    return quick.open_engine(common.engine_config(model_opts, entry))
+
+
+def _quick_prompt_too_long(engine, requests: list) -> bool:
+    """A prompt the engine's batched prefill answers sooner, its start-up included (quick.QUICK_PROMPT_MAX)."""
+    from pagedchat.quick import QUICK_PROMPT_MAX
+    from pagedchat.quick.engine import QuickEngine
+
+    return isinstance(engine, QuickEngine) and len(requests[0][0]) > QUICK_PROMPT_MAX
 
 
 def _remote(model_opts, logprobs, grammar):
