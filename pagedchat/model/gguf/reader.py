@@ -3,8 +3,9 @@ byte views of the file, never copied.
 
 The header is parsed here rather than with gguf-py's GGUFReader: that reader builds a numpy array per element
 of every metadata array, and a 262k-token vocabulary (Gemma 3) then takes 15-40 s to open, against llama.cpp's
-half a second. Numeric arrays are read with one `np.frombuffer`; only strings need a loop. gguf-py stays the
-reference the tests compare against (and the writer they make files with).
+half a second. Numeric arrays are read with one `np.frombuffer`; only strings need a loop, and a header with a
+vocabulary is parsed once per file (header_cache.py keeps it between processes). gguf-py stays the reference
+the tests compare against (and the writer they make files with).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from pagedchat.errors import ModelLoadError
+from pagedchat.model.gguf import header_cache
 from pagedchat.model.gguf.locate import looks_like_gguf
 
 DEFAULT_ALIGNMENT = 32
@@ -111,6 +113,7 @@ _U64 = struct.Struct("<Q")
 class _Cursor:
     def __init__(self, buf: np.ndarray):
         self.buf, self.mem, self.pos = buf, memoryview(buf), 0
+        self.strings_read = 0
 
     def take(self, fmt: str):
         value = struct.unpack_from(fmt, self.mem, self.pos)[0]
@@ -130,6 +133,7 @@ class _Cursor:
         most of a header's parse time)."""
         mem, pos, end, length = self.mem, self.pos, len(self.buf), _U64.unpack_from
         out = [""] * count
+        self.strings_read += count
         for i in range(count):
             n = length(mem, pos)[0]
             pos += 8
@@ -171,6 +175,20 @@ def _parse(buf: np.ndarray, path: Path) -> tuple[dict[str, object], dict[str, GG
         swapped = version.to_bytes(4, "little") == (3).to_bytes(4, "big")
         raise ModelLoadError(f"{path}: GGUF version {version} is not read (versions 2 and 3 are)"
                              + ("; this is a big-endian file" if swapped else ""))
+    header = header_cache.load(path)
+    if header is None:
+        header = _header(cur)
+        header_cache.store(path, header, cur.strings_read)
+    metadata, infos, end = header
+    align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    start = -(-end // align) * align
+    return metadata, {name: _tensor(buf, path, name, dims, qtype, start + offset)
+                      for name, dims, qtype, offset in infos}
+
+
+def _header(cur: _Cursor) -> tuple[dict[str, object], list[tuple], int]:
+    """(metadata, (name, dims, type, offset) per tensor, where the tensor data's alignment starts counting),
+    read from just after the version: plain values, as header_cache keeps them."""
     n_tensors, n_kv = cur.take("<Q"), cur.take("<Q")
     metadata = {}
     for _ in range(n_kv):
@@ -181,10 +199,7 @@ def _parse(buf: np.ndarray, path: Path) -> tuple[dict[str, object], dict[str, GG
         name = cur.string()
         dims = [cur.take("<Q") for _ in range(cur.take("<I"))]
         infos.append((name, dims, cur.take("<I"), cur.take("<Q")))
-    align = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-    start = -(-cur.pos // align) * align
-    return metadata, {name: _tensor(buf, path, name, dims, qtype, start + offset)
-                      for name, dims, qtype, offset in infos}
+    return metadata, infos, cur.pos
 
 
 def _tensor(buf: np.ndarray, path: Path, name: str, dims: list[int], qtype: int, offset: int) -> GGUFTensor:
