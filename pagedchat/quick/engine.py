@@ -44,7 +44,7 @@ class QuickEngine:
         self.threads = abi.ThreadChoice(int(os.environ.get("OMP_NUM_THREADS") or 1))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._rng = np.random.default_rng()
+        self._rng = None   # made on the first random draw (numpy.random costs an import a greedy run never needs)
         self._table = np.arange(model.num_blocks, dtype=np.int32)[None, :]   # the sequence's blocks, in order
         self._peak_blocks = 0
 
@@ -126,6 +126,8 @@ class QuickEngine:
         seq.num_computed = end
         if end < seq.num_tokens:
             return []      # a prompt chunk before the last: nothing sampled
+        if self._rng is None and seq.request.params.temperature > 0:
+            self._rng = np.random.default_rng()
         token = pick(logits, seq.request.params, seq.token_ids, self._rng)
         return [self._append(seq, token)]
 
