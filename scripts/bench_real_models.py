@@ -160,6 +160,11 @@ def _llama_cpp_parallel_decode(model, threads: int) -> float:
         lc.llama_free(ctx)
 
 
+# One-shot runs take about a second, and this machine's speed drifts between consecutive runs by more than the
+# systems differ: more alternating pairs than the longer measurements need.
+ONESHOT_REPEATS = 7
+
+
 def _one_shot(cmd: list[str]) -> tuple[float, int]:
     """(wall seconds, peak resident bytes) of one process that loads the model and prints one token: run by a
     wrapper process that runs only it, so the wrapper's children's peak is this command's."""
@@ -197,26 +202,25 @@ def measure(path: str, threads: int, repeats: int, decode_only: bool = False) ->
     runs: dict[str, list[dict]] = {name: [] for name in workers}
     oneshot: dict[str, list[float]] = {"pagedchat": [], "llama.cpp": []}
     rss: dict[str, list[int]] = {"pagedchat": [], "llama.cpp": []}
-    if not decode_only:   # once untimed: bytecode written, the file in the page cache, as a user's second run
-        for cmd in _oneshots(path, threads).values():
-            _one_shot(cmd)
     for _ in range(repeats):   # alternating: the machine's drift hits every system alike
         for name, (system, q) in workers.items():
             cmd = [sys.executable, __file__, "--worker", system, "--quantize", q, "--threads", str(threads), path,
                    *(["--decode-only"] if decode_only else [])]
             runs[name].append(json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout))
-        if decode_only:
-            continue
-        for name, cmd in _oneshots(path, threads).items():
-            seconds, peak = _one_shot(cmd)
-            oneshot[name].append(seconds)
-            rss[name].append(peak)
+    if not decode_only:
+        for cmd in _oneshots(path, threads).values():   # untimed: bytecode written, the file in the page cache
+            _one_shot(cmd)
+        for _ in range(max(repeats, ONESHOT_REPEATS)):
+            for name, cmd in _oneshots(path, threads).items():
+                seconds, peak = _one_shot(cmd)
+                oneshot[name].append(seconds)
+                rss[name].append(peak)
     med = lambda xs: statistics.median(x for x in xs if x is not None)  # noqa: E731
     out = {name: {k: med([r[k] for r in rs]) for k in rs[0]} for name, rs in runs.items()}
     if decode_only:
         return {"systems": out, "runs": runs}
     return {"systems": out, "run_to_first_token_s": {k: med(v) for k, v in oneshot.items()},
-            "peak_rss_bytes": {k: med(v) for k, v in rss.items()}, "runs": runs}
+            "peak_rss_bytes": {k: med(v) for k, v in rss.items()}, "runs": runs, "run_to_first_token_runs": oneshot}
 
 
 def _llama_1b_file() -> Path:

@@ -342,9 +342,12 @@ def real_models(r: dict) -> str:
                                              secs(plain["prefill_512_s"]), secs(peer["prefill_512_s"])]
         rows["engine load, s"] += [secs(own["load_s"]), secs(plain["load_s"]), secs(peer["load_s"])]
         first, rss = m["run_to_first_token_s"], m["peak_rss_bytes"]
-        rows[list(rows)[4]] += [secs(first["pagedchat"]), "", secs(first["llama.cpp"])]
+        rows[list(rows)[4]] += [f"{secs(first['pagedchat'])} ({first['pagedchat'] / first['llama.cpp']:.2f}x the time)",
+                                "", secs(first["llama.cpp"])]
         rows[list(rows)[5]] += [f"{rss['pagedchat'] / 2**20:,.0f} MiB", "", f"{rss['llama.cpp'] / 2**20:,.0f} MiB"]
-    return (f"{r['threads']} thread(s) for every system, medians of {r['repeats']} alternating runs.\n\n"
+    pairs = len(next(iter(r["models"].values())).get("run_to_first_token_runs", {}).get("pagedchat", [])) or r["repeats"]
+    return (f"{r['threads']} thread(s) for every system, medians of {r['repeats']} alternating runs ({pairs} for "
+            f"the one-shot `run`).\n\n"
             + table(header, [[k, *v] for k, v in rows.items() if any(v)]) + _shapes(r.get("shapes", {})))
 
 
