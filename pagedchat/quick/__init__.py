@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedchat.quick.engine import QuickEngine
 
 ENV_SWITCH = "PAGEDCHAT_QUICK"   # 0: always the engine
-CPU_DEFAULT_KV_BYTES = 512 * 1024**2   # the engine's CPU pool when --kv-memory is not given
 # A longer prompt goes to the engine: decode.c prefills ~110 tokens/s per thread (its tiles are made for few
 # rows), the engine's batched fp32 prefill ~380, which pays for its ~2.5 s start from about this length on.
 QUICK_PROMPT_MAX = 320
 
 
-def open_engine(config) -> "QuickEngine | None":   # noqa: F821  (quick.engine, imported when it applies)
+def open_engine(config) -> QuickEngine | None:
     """A QuickEngine for this EngineConfig, or None where the engine must run it."""
     if os.environ.get(ENV_SWITCH, "").strip() == "0" or not _plain_cpu_run(config):
         return None
@@ -55,6 +58,7 @@ def _gpu_present() -> bool:
 
 
 def _open(paths: list[Path], config, lib):
+    from pagedchat.engine.core.config import CPU_DEFAULT_KV_BYTES
     from pagedchat.errors import ModelLoadError
     from pagedchat.memory import available_ram
     from pagedchat.model.gguf.reader import open_gguf

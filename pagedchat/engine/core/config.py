@@ -46,6 +46,9 @@ def _parse_percent(text: str) -> float:
     return value
 
 
+CPU_DEFAULT_KV_BYTES = 512 * 1024**2   # the KV pool on CPU when neither kv_memory nor kv_fraction is given
+
+
 @dataclass
 class EngineConfig:
     model: str                      # local HF folder (resolved by the registry/loader)

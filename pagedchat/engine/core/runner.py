@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from pagedchat.engine.core.config import EngineConfig
+from pagedchat.engine.core.config import CPU_DEFAULT_KV_BYTES, EngineConfig
 from pagedchat.engine.core.logprobs import score_prompt_chunk
 from pagedchat.engine.core.scheduler import ScheduledBatch
 from pagedchat.engine.core.sequence import Sequence
@@ -21,7 +21,6 @@ from pagedchat.memory import available_ram
 from pagedchat.model.attention import AttentionMetadata
 from pagedchat.model.loader import LoadedModel
 
-CPU_DEFAULT_KV_BYTES = 512 * 1024**2
 NATIVE_RETRY_S = 1.0  # how often a runner looks for a native library still being built
 # The longest prefill chunk the native step may take. Its tiles are made for few rows: a GGUF model's prompt of
 # a few dozen tokens runs 3-18x faster there than on the torch path, which dequantizes every layer for the
