@@ -11,6 +11,14 @@ class ModelLoadError(UserError):
     """The model folder or registry entry cannot be loaded."""
 
 
+class ContextOverLimit(ModelLoadError):
+    """--max-context (max_model_len) asks for more positions than the model has."""
+
+    def __init__(self, max_model_len: int, limit: int):
+        self.max_model_len, self.limit = max_model_len, limit
+        super().__init__(f"max context {max_model_len} exceeds the model's limit of {limit} tokens")
+
+
 class SettingError(UserError):
     """An engine or model setting with a value that cannot work. The message names the setting by its
     EngineConfig name; a front end re-words it with its own name for it (`settings.cli_words`: the flag)."""
@@ -61,3 +69,9 @@ class PoolTooSmall(RequestError):
         """The message with a front end's own way out (`raise --kv-memory`, a server restart, ...)."""
         return (f"prompt is {self.prompt_tokens} tokens but the whole KV pool holds {self.capacity_tokens} tokens "
                 f"({self.num_blocks} block{'' if self.num_blocks == 1 else 's'}); {advice}")
+
+
+def outgrew_pool(num_blocks: int, block_size: int) -> str:
+    """Why a sequence failed that no longer fits even alone in the pool (it ends with this error, its siblings go on)."""
+    return (f"request needs more KV memory than the whole pool ({num_blocks} blocks of {block_size} tokens); "
+            f"raise --kv-memory")

@@ -46,7 +46,8 @@ from pagedchat.engine.core.sequence import PENDING, Request, Sequence, SeqStatus
 from pagedchat.engine.core.step_inputs import index_tensor
 from pagedchat.engine.core.window_groups import WindowTables
 from pagedchat.engine.decoding.speculative import NgramProposer, Speculator, step_shape
-from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError
+from pagedchat.errors import (ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, TooManyVariants, UserError,
+                              outgrew_pool)
 from pagedchat.model.loader import load_model, resolve_device
 
 __all__ = ["Branch", "CompletionOutput", "Engine", "EngineStats", "RequestOutput", "TokenEvent"]
@@ -661,8 +662,7 @@ class Engine:
         request = seq.request
         if seq.pending_row is not None:
             seq.drop_pending()
-        message = (f"request needs more KV memory than the whole pool ({self.pool.num_blocks} blocks of "
-                   f"{self.pool.block_size} tokens); raise --kv-memory")
+        message = outgrew_pool(self.pool.num_blocks, self.pool.block_size)
         seq.finish_reason, seq.error = "error", message
         seq.status = SeqStatus.FINISHED
         request.error = request.error or message

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from pagedchat.dtypes import DTYPES
-from pagedchat.errors import ModelLoadError, SettingError
+from pagedchat.errors import ContextOverLimit, ModelLoadError, SettingError
 from pagedchat.model.checkpoint import target_of, target_rows
 from pagedchat.model.families import SUPPORTED_ARCHITECTURES, family_for, text_part
 from pagedchat.model.hf_config import read_config
@@ -283,7 +283,7 @@ def build_empty_model(config, dev: torch.device, torch_dtype: torch.dtype, max_m
         limit = window  # full attention equals sliding-window attention up to the window
     if max_model_len is not None:
         if max_model_len > limit:
-            raise ModelLoadError(f"max context {max_model_len} exceeds the model's limit of {limit} tokens")
+            raise ContextOverLimit(max_model_len, limit)
         limit = max_model_len
     model = family.build(config, spec, limit, dev, torch_dtype)
     model.tie_weights()

@@ -59,7 +59,6 @@ def _gpu_present() -> bool:
 
 def _open(paths: list[Path], config, lib):
     from pagedchat.engine.core.config import CPU_DEFAULT_KV_BYTES
-    from pagedchat.errors import ModelLoadError
     from pagedchat.memory import available_ram
     from pagedchat.model.gguf.reader import open_gguf
     from pagedchat.model.gguf.tokenizer import load_gguf_tokenizer, stop_token_ids
@@ -69,19 +68,14 @@ def _open(paths: list[Path], config, lib):
     gguf = open_gguf(paths)
     if gguf.architecture not in ARCHITECTURES:
         return None     # the engine runs it, or says why not
-    limit = int(gguf.get("context_length") or 4096)
-    if config.max_model_len is not None:
-        if config.max_model_len > limit:
-            raise ModelLoadError(f"max context {config.max_model_len} exceeds the model's limit of {limit} tokens")
-        limit = config.max_model_len
     budget = config.kv_memory or (int(available_ram() * config.kv_fraction) if config.kv_fraction
                                   else CPU_DEFAULT_KV_BYTES)
     try:
-        model = bind(gguf, config.block_size, budget, limit)
+        model = bind(gguf, config.block_size, budget, config.max_model_len)
     except NotCovered:
         return None
     tokenizer = load_gguf_tokenizer(gguf.metadata, str(paths[0]), light=True)
     if config.chat_template:
         tokenizer.chat_template = config.chat_template
-    return QuickEngine(model, lib, tokenizer, stop_token_ids(gguf.metadata, tokenizer), limit, str(paths[0]))
+    return QuickEngine(model, lib, tokenizer, stop_token_ids(gguf.metadata, tokenizer), str(paths[0]))
 

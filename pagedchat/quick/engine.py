@@ -23,7 +23,7 @@ from pagedchat.engine.core.sampling_params import SamplingParams
 from pagedchat.engine.core.sequence import Request, Sequence, SeqStatus
 from pagedchat.engine.kv.block_pool import PoolStats
 from pagedchat.engine.outputs import CompletionOutput, RequestOutput, TokenEvent
-from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError
+from pagedchat.errors import ContextTooLong, EmptyPrompt, PoolTooSmall, RequestError, outgrew_pool
 from pagedchat.native import abi
 from pagedchat.quick.model import QuickModel
 from pagedchat.quick.sample import pick
@@ -35,12 +35,11 @@ CHUNK = 64
 
 
 class QuickEngine:
-    def __init__(self, model: QuickModel, lib, tokenizer, eos_token_ids: list[int], max_model_len: int,
-                 model_path: str):
+    def __init__(self, model: QuickModel, lib, tokenizer, eos_token_ids: list[int], model_path: str):
         abi.declare_step(lib)
         self.model, self.lib, self.tokenizer = model, lib, tokenizer
-        self.model_path, self.max_model_len = model_path, max_model_len
-        self.output = OutputProcessor(tokenizer, set(eos_token_ids), max_model_len)
+        self.model_path, self.max_model_len = model_path, model.max_model_len
+        self.output = OutputProcessor(tokenizer, set(eos_token_ids), model.max_model_len)
         self.threads = abi.ThreadChoice(int(os.environ.get("OMP_NUM_THREADS") or 1))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -165,8 +164,7 @@ class QuickEngine:
 
     def _fail(self, seq: Sequence) -> TokenEvent:
         """The reply outgrew the pool: it ends with the engine's error for a sequence too large for its pool."""
-        message = (f"request needs more KV memory than the whole pool ({self.model.num_blocks} blocks of "
-                   f"{self.model.block_size} tokens); raise --kv-memory")
+        message = outgrew_pool(self.model.num_blocks, self.model.block_size)
         seq.status, seq.finish_reason, seq.error = SeqStatus.FINISHED, "error", message
         seq.request.error, seq.request.finish_time = message, time.perf_counter()
         return TokenEvent(seq.request.request_id, 0, [], "", "error", message)

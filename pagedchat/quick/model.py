@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from pagedchat.errors import ContextOverLimit
 from pagedchat.model.gguf import arch as gguf_arch
 from pagedchat.model.gguf.reader import GGUFFile, GGUFTensor
 from pagedchat.native import abi
@@ -35,6 +36,7 @@ class QuickModel:
     """decode.c's Model for one file, the arrays it points into, and the pool it writes K/V to."""
     struct: abi.Model
     vocab: int
+    max_model_len: int           # the model's positions, or fewer where --max-context asks
     block_size: int
     num_blocks: int
     rope: list["RopeTables"]
@@ -46,19 +48,24 @@ class QuickModel:
             tables.ensure(end)
 
 
-def bind(gguf: GGUFFile, block_size: int, kv_bytes: int, max_tokens: int) -> QuickModel:
-    """The file as decode.c's Model with an fp32 pool of at most `kv_bytes` and `max_tokens` positions, in whole
-    blocks; NotCovered for what decode.c does not run whole."""
+def bind(gguf: GGUFFile, block_size: int, kv_bytes: int, max_model_len: int | None) -> QuickModel:
+    """The file as decode.c's Model with an fp32 pool of at most `kv_bytes` and the context's positions, in whole
+    blocks; NotCovered for what decode.c does not run whole, ContextOverLimit as the loader raises it."""
     arch = gguf.architecture
     if arch not in ARCHITECTURES or gguf.get("expert_count"):
         raise NotCovered(f"architecture {arch!r}")
     config = gguf_arch.config_from_gguf(gguf)
     if config.attention_bias or config.head_dim > abi.MAX_HEAD_DIM or config.hidden_size % 32:
         raise NotCovered("attention biases or head size")
+    limit = config.max_position_embeddings   # the loader's limit for these two families (no window cap)
+    if max_model_len is not None:
+        if max_model_len > limit:
+            raise ContextOverLimit(max_model_len, limit)
+        limit = max_model_len
     gemma = arch == "gemma3"
     keep: list = []
     per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
-    num_blocks = min(kv_bytes // (per_token * block_size), -(-max_tokens // block_size))
+    num_blocks = min(kv_bytes // (per_token * block_size), -(-limit // block_size))
     if num_blocks < 1:
         raise NotCovered("a pool of no block (the engine says what is wrong with the size)")
     cache_shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
@@ -73,13 +80,12 @@ def bind(gguf: GGUFFile, block_size: int, kv_bytes: int, max_tokens: int) -> Qui
     first = rope[1] if gemma and config.layer_types[0] == "sliding_attention" else rope[0]   # layer 0's
     struct = abi.Model(config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
                        config.num_key_value_heads, config.head_dim, config.vocab_size, block_size,
-                       config.rms_norm_eps, scale, embed_addr, _addr(_norm(gguf, "output_norm.weight", gemma, keep)),
+                       config.rms_norm_eps, scale, embed_addr, _addr(_norm(gguf, "output_norm.weight", keep)),
                        lm_head, _addr(first.cos), _addr(first.sin), layers,
                        float(np.float32(config.hidden_size ** 0.5)) if gemma else 1.0, int(gemma), embed_format,
                        embed.data.shape[1])
     keep += [layers, rope, gguf]
-    return QuickModel(struct, config.vocab_size, block_size, num_blocks, list({id(r): r for r in rope}.values()),
-                      keep)
+    return QuickModel(struct, config.vocab_size, limit, block_size, num_blocks, rope, keep)
 
 
 def _layer(gguf: GGUFFile, config, i: int, gemma: bool, cache_shape: tuple, rope: list, keep: list) -> abi.Layer:
@@ -87,16 +93,15 @@ def _layer(gguf: GGUFFile, config, i: int, gemma: bool, cache_shape: tuple, rope
     window (decode.c's Layer)."""
     name = f"blk.{i}.{{}}.weight".format
     tensors = lambda *parts: [_tensor(gguf, name(p)) for p in parts]   # noqa: E731
-    qkv = tensors("attn_q", "attn_k", "attn_v")
-    if not gemma:    # llama.cpp's converter interleaved the rotary halves of Q and K rows: back to HF order
-        qkv = [_rows_in_hf_order(t, gguf.architecture, config) for t in qkv]
+    # llama.cpp's `llama` converter interleaved the rotary halves of Q and K rows: back to HF order
+    qkv = [_rows_in_hf_order(t, gguf.architecture, config) for t in tensors("attn_q", "attn_k", "attn_v")]
     linears = [_linear(qkv, config.hidden_size, keep),
                _linear(tensors("attn_output"), config.num_attention_heads * config.head_dim, keep),
                _linear(tensors("ffn_gate", "ffn_up"), config.hidden_size, keep),
                _linear(tensors("ffn_down"), config.intermediate_size, keep)]
     k_cache, v_cache = np.zeros(cache_shape, np.float32), np.zeros(cache_shape, np.float32)
     keep += [k_cache, v_cache]
-    norm = lambda part: _addr(_norm(gguf, name(part), gemma, keep))   # noqa: E731
+    norm = lambda part: _addr(_norm(gguf, name(part), keep))   # noqa: E731
     if not gemma:
         return abi.Layer(norm("attn_norm"), norm("ffn_norm"), None, None, *linears, _addr(k_cache),
                          _addr(v_cache), None, None, None, None, None, None, 0, 0)
@@ -143,7 +148,7 @@ def _embedding(tensor: GGUFTensor) -> tuple[int, int]:
     raise NotCovered(f"token table in ggml type {tensor.qtype}")
 
 
-def _norm(gguf: GGUFFile, name: str, gemma: bool, keep: list) -> np.ndarray:
+def _norm(gguf: GGUFFile, name: str, keep: list) -> np.ndarray:
     """A norm's weights in fp32; Gemma's file holds w + 1 (its converter's), which the loader turns into w and
     decode.c's plan back into 1 + w: the same two fp32 roundings here."""
     tensor = _tensor(gguf, name)
@@ -153,7 +158,7 @@ def _norm(gguf: GGUFFile, name: str, gemma: bool, keep: list) -> np.ndarray:
         values = tensor.data.reshape(-1).view(np.float16).astype(np.float32)
     else:
         raise NotCovered(f"{name} in ggml type {tensor.qtype}")
-    if gemma:
+    if gguf_arch.is_plus_one_norm(name, gguf.architecture):
         values = (values - np.float32(1.0)) + np.float32(1.0)
     values = np.ascontiguousarray(values, dtype=np.float32)
     keep.append(values)
@@ -166,9 +171,9 @@ def _addr(array: np.ndarray | None) -> int | None:
 
 # -- rotary tables -------------------------------------------------------------------------------------------
 class RopeTables:
-    """cos and sin per position, filled CHUNK rows at a time as positions are reached (model/rope.py's
-    PositionTables, whose anonymous mapping this shares: pages cost memory only once written, and the
-    addresses decode.c holds never change)."""
+    """cos and sin per position, filled CHUNK rows at a time as positions are reached, as model/rope.py's
+    PositionTables fills the torch model's (in numpy here): an anonymous mapping, whose pages cost memory only
+    once written and whose addresses, which decode.c holds, never change."""
 
     CHUNK = 1024
 

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from pagedchat.engine.core.logprobs import TokenLogprob
 from pagedchat.engine.core.sampling_params import SamplingParams
 
-
 if TYPE_CHECKING:   # only named in annotations: the torch-free one-shot path (pagedchat/quick) uses these types
     import torch
 
