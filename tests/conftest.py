@@ -90,6 +90,8 @@ def xdg_cache_for_the_session(tmp_path_factory):
     patch = pytest.MonkeyPatch()
     patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("session-cache")))
     patch.setenv(build.CACHE_ENV, str(tmp_path_factory.mktemp("native-build")))
+    # a test module that loaded the library while being collected loaded the user's build: this folder's now
+    patch.setattr(build, "_loaded", None)
     build.load(wait=True)
     yield
     patch.undo()

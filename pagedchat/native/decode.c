@@ -422,12 +422,23 @@ TILE(tile_bf16, uint16_t, loadbf, bf16_to_f32)
 #if !defined(PC_Q8_ROWS_1)
 #define PC_Q8_ROWS_1 8
 #endif
+/* Q4_K, Q5_K and Q6_K at batch 1 (k1_tile): -DPC_K1=0 keeps GGML_TILE for them (to measure one against the
+ * other); K1_ROWS rows a tile. Measured on the Xeon (Sapphire Rapids), one thread, a Llama-3.2-1B-shaped Q4_K_M
+ * step, steps of each build alternating in one process: 4 rows ran 1.06x 8 rows with AVX-512 and 1.04x with
+ * the AVX2 build (-march=haswell). */
+#if !defined(PC_K1)
+#define PC_K1 1
+#endif
+#if !defined(PC_K1_ROWS)
+#define PC_K1_ROWS 4
+#endif
+#define K1_ROWS PC_K1_ROWS
 #define Q8_R PC_Q8_R
 #define Q8_NB PC_Q8_NB
 #define Q8_ROWS_1 PC_Q8_ROWS_1
 #define Q8_ROWS_MAX (Q8_ROWS_1 > Q8_R ? Q8_ROWS_1 : Q8_R)
 #define ACC_ROWS 8  /* rows of a tile's results, whatever its shape */
-#if Q8_NB > MAX_NB || Q8_ROWS_MAX > ACC_ROWS || ROWS_MAX > ACC_ROWS
+#if Q8_NB > MAX_NB || Q8_ROWS_MAX > ACC_ROWS || ROWS_MAX > ACC_ROWS || K1_ROWS > Q8_ROWS_MAX || K1_ROWS < 1
 #error "an int8 tile must fit the results of a float tile"
 #endif
 
@@ -438,7 +449,13 @@ typedef struct {
     const int8_t *q;     /* [B, in] */
     const float *d;      /* [B, in / QBLOCK], or [B, 4 * in / QBLOCK] */
     const int32_t *sum;  /* [B, in / QBLOCK]: the sum of a block's q; or [B, 4 * in / QBLOCK], see quantize_pairs */
+    const int32_t *sum16;  /* batch 1, in a multiple of 256: the sum of each 16 q (k1_tile's), else NULL */
 } Input;
+
+/* The formats k1_tile reads (a Linear's format) */
+INLINE int k1_format(int64_t format) {
+    return format == FMT_GGML + GGML_Q4_K || format == FMT_GGML + GGML_Q5_K || format == FMT_GGML + GGML_Q6_K;
+}
 
 /* The largest |v[i]|; not fmaxf, which without -ffast-math is a call into libm per value. */
 INLINE float max_abs(const float *v, int64_t n) {
@@ -460,6 +477,15 @@ INLINE void quantize_block(const float *v, int8_t *q, float *d, int32_t *sum) {
     }
     *d = amax / 127.f;
     *sum = total;
+}
+
+/* out[i] = the sum of q[16 i .. 16 i + 15], n values */
+static void sums16(const int8_t *q, int64_t n, int32_t *out) {
+    for (int64_t i = 0; i < n / 16; i++) {
+        int32_t total = 0;
+        for (int j = 0; j < 16; j++) total += q[16 * i + j];
+        out[i] = total;
+    }
 }
 
 static void quantize_blocks(const float *x, int64_t n_blocks, int8_t *q, float *d, int32_t *sum) {
@@ -635,8 +661,14 @@ INLINE void reduce_q(v8 a[Q8_ROWS_MAX][Q8_NB], int R, int NB, float *acc) {
 #if !defined(PC_Q_FETCH)
 #define PC_Q_FETCH 1
 #endif
+#if !defined(PC_Q_AHEAD)
+#define PC_Q_AHEAD 1
+#endif
+#if !defined(PC_Q_HINT)
+#define PC_Q_HINT 3
+#endif
 INLINE void fetch_ahead(const void *next, int64_t offset, int bytes) {
-    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)next + offset + c, 0, 3);
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)next + offset + c, 0, PC_Q_HINT);
 }
 
 /* acc[r * MAX_NB + b] = sum over blocks of d[b, block] * (q[b, block] . w[r, block]), R rows (in apart), NB
@@ -854,7 +886,7 @@ INLINE void no_prep(const uint8_t *block, KScales *ks) { (void)block, (void)ks; 
 /* Q4_K and Q5_K: d, dmin | 12 bytes of 6-bit scales and mins (k_scale_min's layout), taken as three 32-bit words:
  * sub-blocks 0-3 are the low 6 bits of words 0 (scales) and 1 (mins), bytes in order; 4-7 the nibbles of word 2
  * below the top 2 bits of the bytes of words 0 and 1. */
-INLINE void prep_q4_k(const uint8_t *b, KScales *ks) {
+INLINE __m256 q4_k_scales(const uint8_t *b, __m256 *minus_mins) {
     uint32_t w[3];
     memcpy(w, b + 4, 12);
     const uint32_t low6 = 0x3f3f3f3f, nib = 0x0f0f0f0f, top2 = 0x03030303;
@@ -863,8 +895,13 @@ INLINE void prep_q4_k(const uint8_t *b, KScales *ks) {
     const __m256 d = _mm256_set1_ps(f16_at(b)), minus_dmin = _mm256_set1_ps(-f16_at(b + 2));
     const __m256 sc8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
     const __m256 mn8 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)));
-    _mm256_storeu_ps(ks->s, _mm256_mul_ps(sc8, d));
-    _mm256_storeu_ps(ks->m, _mm256_mul_ps(mn8, minus_dmin));
+    *minus_mins = _mm256_mul_ps(mn8, minus_dmin);
+    return _mm256_mul_ps(sc8, d);
+}
+INLINE void prep_q4_k(const uint8_t *b, KScales *ks) {
+    __m256 m;
+    _mm256_storeu_ps(ks->s, q4_k_scales(b, &m));
+    _mm256_storeu_ps(ks->m, m);
 }
 /* out[i] = d * the int8 bytes[i], 16 sub-blocks' scales (or mins) */
 INLINE void scales16(__m128i bytes, float d, float *out) {
@@ -1000,7 +1037,7 @@ INLINE __m256i dot_from(__m256i acc, __m256i a, __m256i b) {
                 for (int r = 0; r < R; r++) PREP(w + r * row_bytes + k / SUB * (BYTES256 * SUB / 8), &ks[r]); \
             if (fetch) { /* the next tile's bytes, this block's share (Q6_K's are not whole bytes) */      \
                 const int64_t from = R * BYTES256 * k / 8;                                                  \
-                fetch_ahead(w + tile_bytes, from, (int)(R * BYTES256 * (k + 1) / 8 - from));                \
+                fetch_ahead(w + PC_Q_AHEAD * tile_bytes, from, (int)(R * BYTES256 * (k + 1) / 8 - from));                \
             }                                                                                               \
             __m256i x[Q8_NB];                                                                               \
             __m256 xm[Q8_NB];                                                                               \
@@ -1042,6 +1079,170 @@ GGML_TILE(tile_q4_k, prep_q4_k, wb_q4_k, 8, 144, 0, 0, 1)
 GGML_TILE(tile_q5_k, prep_q4_k, wb_q5_k, 8, 176, 0, 0, 1)
 GGML_TILE(tile_q6_k, prep_q6_k, wb_q6_k, 8, 210, 1, 0, 0)
 
+/* ---- Q4_K, Q5_K and Q6_K at batch 1 ---------------------------------------------------------------------
+ * One sequence decoding streams every weight once per token, and GGML_TILE's per-block work then sets the pace
+ * (measured: a Llama-3.2-1B-shaped Q4_K_M step, one thread, tracked a CPU-bound probe and not a copy-bandwidth
+ * one): per 32 values and row it builds the block's scale vectors, converts, scales and adds twice, and Q6_K
+ * also fixes signs. Here what does not depend on the values moves out to once per super-block and row: the
+ * sub-block scales times the input's block scales (sd: the same products GGML_TILE forms), and the part that
+ * does not depend on q at all, the mins (Q4_K, Q5_K: -dmin m x dx x the input block's sum) or Q6_K's offset
+ * (-32 x dx x each 16 inputs' sum, from Input.sum16), added with one multiply-add. What is left per block is
+ * unsigned q (Q6_K's too: q + 32, 0..63), one byte dot product, one conversion and one multiply-add; with
+ * AVX-512 two blocks go through one 512-bit register (a Q4_K byte run's two nibbles are two blocks). The
+ * arithmetic is GGML_TILE's: the same int32 block dot products (q + 32 against x is x's sum x 32 more, exactly),
+ * scaled by the same float products, summed in another order. */
+#if X86_512 && defined(__AVX512BW__)
+#define K1_WIDE 1
+typedef __m512 k1_acc;   /* lanes 0-7: a pair's first block, 8-15 its second */
+typedef __m512 k1_scale;
+INLINE k1_acc k1_zero(void) { return _mm512_setzero_ps(); }
+INLINE __m512i k1_dot(__m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1));
+#endif
+}
+/* acc + blocks a and b (unsigned q) . the 64 input bytes at x, lane by lane times scale */
+INLINE k1_acc k1_pair(k1_acc acc, __m256i a, __m256i b, const int8_t *x, k1_scale scale) {
+    const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(k1_dot(w, _mm512_loadu_si512(x))), scale, acc);
+}
+/* pair p's scales: a sub-block of 32 per block (sd[2p], sd[2p + 1]), or of 16 (sd16[4p .. 4p + 3]) */
+INLINE k1_scale k1_scale32(__m256 sd, int p) {
+    const __m512i idx = _mm512_set_epi32(2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1, 2 * p + 1,
+                                         2 * p + 1, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p, 2 * p);
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(sd));
+}
+INLINE k1_scale k1_scale16(__m256 lo, __m256 hi, int p) {
+    const __m512 sd16 = _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+    const int i = 4 * p;
+    const __m512i idx = _mm512_set_epi32(i + 3, i + 3, i + 3, i + 3, i + 2, i + 2, i + 2, i + 2, i + 1, i + 1, i + 1,
+                                         i + 1, i, i, i, i);
+    return _mm512_permutexvar_ps(idx, sd16);
+}
+INLINE k1_acc k1_fma8(__m256 a, __m256 b, k1_acc acc) {
+    return _mm512_fmadd_ps(_mm512_zextps256_ps512(a), _mm512_zextps256_ps512(b), acc);
+}
+INLINE float k1_sum(k1_acc acc) { return _mm512_reduce_add_ps(acc); }
+#else
+#define K1_WIDE 0
+typedef __m256 k1_acc;
+typedef struct { __m256 a, b; } k1_scale;
+INLINE k1_acc k1_zero(void) { return _mm256_setzero_ps(); }
+INLINE k1_acc k1_pair(k1_acc acc, __m256i a, __m256i b, const int8_t *x, k1_scale scale) {
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8i8(a, _mm256_loadu_si256((const __m256i *)x))), scale.a, acc);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8i8(b, _mm256_loadu_si256((const __m256i *)(x + 32)))), scale.b,
+                           acc);
+}
+INLINE k1_scale k1_scale32(__m256 sd, int p) {
+    const k1_scale s = {_mm256_permutevar8x32_ps(sd, _mm256_set1_epi32(2 * p)),
+                        _mm256_permutevar8x32_ps(sd, _mm256_set1_epi32(2 * p + 1))};
+    return s;
+}
+INLINE k1_scale k1_scale16(__m256 lo, __m256 hi, int p) {
+    const __m256 v = p < 2 ? lo : hi;
+    const int i = 4 * (p % 2);
+    const k1_scale s = {_mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i, i, i, i, i + 1, i + 1, i + 1, i + 1)),
+                        _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(i + 2, i + 2, i + 2, i + 2, i + 3, i + 3,
+                                                                      i + 3, i + 3))};
+    return s;
+}
+INLINE k1_acc k1_fma8(__m256 a, __m256 b, k1_acc acc) { return _mm256_fmadd_ps(a, b, acc); }
+INLINE float k1_sum(k1_acc acc) {
+    v4 lo, hi;
+    memcpy(&lo, &acc, 16);
+    memcpy(&hi, (const char *)&acc + 16, 16);
+    lo += hi;
+    return (lo[0] + lo[2]) + (lo[1] + lo[3]);
+}
+#endif
+
+/* Blocks 2p and 2p + 1 of a super-block at b, q unsigned (wb_q4_k, wb_q5_k and wb_q6_k say each layout). */
+INLINE void k1_q4_k(const uint8_t *b, int p, __m256i *lo, __m256i *hi) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * p)), low = _mm256_set1_epi8(0x0f);
+    *lo = _mm256_and_si256(bytes, low);
+    *hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+}
+INLINE void k1_q5_k(const uint8_t *b, int p, __m256i *lo, __m256i *hi) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(b + 48 + 32 * p)), low = _mm256_set1_epi8(0x0f);
+    const __m256i high = _mm256_loadu_si256((const __m256i *)(b + 16)), one = _mm256_set1_epi8(0x01);
+    *lo = _mm256_or_si256(_mm256_and_si256(bytes, low),
+                          _mm256_slli_epi16(_mm256_and_si256(shift_right16(high, 2 * p), one), 4));
+    *hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), low),
+                          _mm256_slli_epi16(_mm256_and_si256(shift_right16(high, 2 * p + 1), one), 4));
+}
+INLINE void k1_q6_k(const uint8_t *b, int p, __m256i *lo, __m256i *hi) {
+    const uint8_t *ql = b + 64 * (p / 2);
+    const int nib = 4 * (p % 2), run = 2 * (p % 2);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * (p / 2)));
+    const __m256i low = _mm256_set1_epi8(0x0f), two = _mm256_set1_epi8(0x03);
+    *lo = _mm256_or_si256(_mm256_and_si256(shift_right16(_mm256_loadu_si256((const __m256i *)ql), nib), low),
+                          _mm256_slli_epi16(_mm256_and_si256(shift_right16(qh, 2 * run), two), 4));
+    *hi = _mm256_or_si256(_mm256_and_si256(shift_right16(_mm256_loadu_si256((const __m256i *)(ql + 32)), nib), low),
+                          _mm256_slli_epi16(_mm256_and_si256(shift_right16(qh, 2 * run + 2), two), 4));
+}
+
+/* acc[r * MAX_NB] = row r . the input, R rows (row_bytes apart) of a K-quant with a scale (and min) per 32
+ * values (Q4_K, Q5_K; SIXTEENS 0: BYTES a super-block, PAIR its unpacker) or per 16 (Q6_K; SIXTEENS 1). */
+#define K1_TILE(NAME, PAIR, BYTES, SIXTEENS)                                                                 \
+    INLINE void NAME(const uint8_t *w, int64_t row_bytes, const Input *in_, int64_t in, int R, float *acc) {  \
+        k1_acc a[Q8_ROWS_MAX];                                                                              \
+        for (int r = 0; r < R; r++) a[r] = k1_zero();                                                       \
+        for (int64_t k = 0; k < in / 256; k++) {                                                            \
+            if (PC_Q_FETCH) fetch_ahead(w + PC_Q_AHEAD * R * row_bytes, k * R * BYTES, R * BYTES);         \
+            const int8_t *x = in_->q + 256 * k;                                                             \
+            const __m256 dx = _mm256_loadu_ps(in_->d + 8 * k);                                              \
+            __m256 fixed[2]; /* what q does not change, per sub-block: Q4_K's dx x sum, Q6_K's -32 dx x sum */ \
+            if (SIXTEENS) {                                                                                 \
+                const __m256 dx_lo = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)); \
+                const __m256 dx_hi = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)); \
+                const __m256 m32 = _mm256_set1_ps(-32.f);                                                   \
+                fixed[0] = _mm256_mul_ps(_mm256_mul_ps(dx_lo, m32), _mm256_cvtepi32_ps(                     \
+                    _mm256_loadu_si256((const __m256i *)(in_->sum16 + 16 * k))));                           \
+                fixed[1] = _mm256_mul_ps(_mm256_mul_ps(dx_hi, m32), _mm256_cvtepi32_ps(                     \
+                    _mm256_loadu_si256((const __m256i *)(in_->sum16 + 16 * k + 8))));                       \
+            } else {                                                                                        \
+                fixed[0] = _mm256_mul_ps(dx, _mm256_cvtepi32_ps(                                            \
+                    _mm256_loadu_si256((const __m256i *)(in_->sum + 8 * k))));                              \
+            }                                                                                               \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const uint8_t *b = w + r * row_bytes + k * BYTES;                                           \
+                __m256 sd, sd_hi;                                                                           \
+                if (SIXTEENS) {                                                                             \
+                    KScales ks;                                                                             \
+                    prep_q6_k(b, &ks);                                                                      \
+                    const __m256 s_lo = _mm256_loadu_ps(ks.s), s_hi = _mm256_loadu_ps(ks.s + 8);           \
+                    a[r] = k1_fma8(s_hi, fixed[1], k1_fma8(s_lo, fixed[0], a[r]));                          \
+                    sd = _mm256_mul_ps(s_lo, _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))); \
+                    sd_hi = _mm256_mul_ps(s_hi, _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))); \
+                } else {                                                                                    \
+                    __m256 minus_mins;                                                                      \
+                    const __m256 s = q4_k_scales(b, &minus_mins);                                           \
+                    a[r] = k1_fma8(minus_mins, fixed[0], a[r]);                                             \
+                    sd = _mm256_mul_ps(s, dx), sd_hi = sd;                                                  \
+                }                                                                                           \
+                for (int p = 0; p < 4; p++) {                                                               \
+                    __m256i lo, hi;                                                                         \
+                    PAIR(b, p, &lo, &hi);                                                                   \
+                    a[r] = k1_pair(a[r], lo, hi, x + 64 * p, SIXTEENS ? k1_scale16(sd, sd_hi, p) : k1_scale32(sd, p)); \
+                }                                                                                           \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++) acc[r * MAX_NB] = k1_sum(a[r]);                                         \
+    }
+K1_TILE(k1_tile_q4_k, k1_q4_k, 144, 0)
+K1_TILE(k1_tile_q5_k, k1_q5_k, 176, 0)
+K1_TILE(k1_tile_q6_k, k1_q6_k, 210, 1)
+
+/* Whether a batch-1 tile of this format takes k1_tile: its input has the 16-value sums (input_for's say). */
+INLINE int k1_takes(int64_t type, const Input *x, int NB) {
+    return NB == 1 && x->sum16 != NULL && k1_format(FMT_GGML + type);
+}
+#define K1_CASE(FN)                                                                                          \
+    if (R == K1_ROWS) FN(w, row_bytes, x, in, K1_ROWS, acc);                                                \
+    else FN(w, row_bytes, x, in, R, acc);
+
 /* The specialisations: Q8_R rows x 1..Q8_NB inputs, Q8_ROWS_1 rows x 1; anything else generic. */
 #define Q_CASE(FN, K) case K: FN(w, ws, x, b0, in, Q8_R, (K) <= Q8_NB ? (K) : Q8_NB, acc); break;
 #define Q_DISPATCH(FN)                                                                                       \
@@ -1073,6 +1274,12 @@ INLINE void tile_q4_any(const uint8_t *w, const uint16_t *ws, const Input *x, in
 static __attribute__((noinline)) void tile_ggml_any(int64_t type, const uint8_t *w, int64_t row_bytes,
                                                     const Input *x, int64_t b0, int64_t in, int R, int NB, float *acc) {
     const int64_t ws = row_bytes;  /* (the name Q_DISPATCH passes on) */
+    if (k1_takes(type, x, NB)) {
+        if (type == GGML_Q4_K) { K1_CASE(k1_tile_q4_k) }
+        else if (type == GGML_Q5_K) { K1_CASE(k1_tile_q5_k) }
+        else { K1_CASE(k1_tile_q6_k) }
+        return;
+    }
     switch (type) {
     case GGML_Q8_0: Q_DISPATCH(tile_q8_0) break;
     case GGML_Q4_0: Q_DISPATCH(tile_q4_0) break;
@@ -1604,6 +1811,14 @@ INLINE int integer_path(const Linear *l) {
         && l->in % QBLOCK == 0;
 }
 
+/* Whether layer l's batch-1 tiles are k1_tile's (some part of it in Q4_K, Q5_K or Q6_K; whole super-blocks). */
+INLINE int k1_layer(const Linear *l) {
+    if (!Q8_SIMD || !PC_K1 || l->in % 256 != 0) return 0;
+    for (const Linear *part = l; part != NULL; part = part->next)
+        if (k1_format(part->format)) return 1;
+    return 0;
+}
+
 /* Bytes of a row of `in` values in a GGUF format (whole blocks: the Python side checked). */
 INLINE int64_t ggml_row_bytes(int64_t type, int64_t in) {
     switch (type) {
@@ -1624,7 +1839,7 @@ INLINE int64_t ggml_row_bytes(int64_t type, int64_t in) {
 /* A linear layer's tile shape at batch B: rows a tile, most sequences a tile. */
 INLINE void tile_shape(const Linear *l, int64_t B, int *rows, int *seqs) {
     if (integer_path(l)) {
-        *rows = B == 1 ? Q8_ROWS_1 : Q8_R;
+        *rows = B == 1 ? (k1_layer(l) ? K1_ROWS : Q8_ROWS_1) : Q8_R;
         *seqs = Q8_NB;
     } else {
         *rows = B == 1 ? ROWS_1 : TILE_R;
@@ -1702,7 +1917,7 @@ typedef struct {
 } QuantBuffers;
 
 INLINE Input input_for(const Linear *l, const float *x, int64_t B, const QuantBuffers *buf) {
-    Input input = {x, NULL, NULL, NULL};
+    Input input = {x, NULL, NULL, NULL, NULL};
     if (Q8_SIMD && l->format == FMT_I4 && l->in % (2 * QBLOCK) == 0)
         quantize_pairs(x, B * l->in / (2 * QBLOCK), buf->q, buf->d, buf->sum);
     else if (integer_path(l))
@@ -1710,6 +1925,12 @@ INLINE Input input_for(const Linear *l, const float *x, int64_t B, const QuantBu
     else
         return input;
     input.q = buf->q, input.d = buf->d, input.sum = buf->sum;
+    if (B == 1 && k1_layer(l)) {
+        /* the batch-1 K-quant tiles' 16-value sums, in the room quantize_pairs' layout leaves behind the sums */
+        int32_t *sum16 = buf->sum + l->in / QBLOCK;
+        sums16(buf->q, l->in, sum16);
+        input.sum16 = sum16;
+    }
     return input;
 }
 
