@@ -656,19 +656,15 @@ INLINE void reduce_q(v8 a[Q8_ROWS_MAX][Q8_NB], int R, int NB, float *acc) {
  * are contiguous, so `bytes` a block step ahead of `next` cover the whole next tile by the end. Zen 3's
  * prefetchers do not: a batch-1 tile reads 8 rows of 512 bytes side by side, 8 streams of 8 cache lines each,
  * too short for them to pick up. Measured on AMD EPYC (Zen 3, AVX2, one thread): the small llama's int8 weights
- * (28 MB, a batch-1 step's matrix-vector products alone) in 4.3-4.5 ms without, 1.8-2.3 ms with.
+ * (28 MB, a batch-1 step's matrix-vector products alone) in 4.3-4.5 ms without, 1.8-2.3 ms with. On the Xeon
+ * (Sapphire Rapids, AVX-512) a Llama-3.2-1B-shaped Q4_K_M step took 1.6x as long without; fetching two or four
+ * tiles ahead, or into L2 only, measured no faster, and a non-temporal fetch took 2x as long.
  * -DPC_Q_FETCH=0 turns it off. */
 #if !defined(PC_Q_FETCH)
 #define PC_Q_FETCH 1
 #endif
-#if !defined(PC_Q_AHEAD)
-#define PC_Q_AHEAD 1
-#endif
-#if !defined(PC_Q_HINT)
-#define PC_Q_HINT 3
-#endif
 INLINE void fetch_ahead(const void *next, int64_t offset, int bytes) {
-    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)next + offset + c, 0, PC_Q_HINT);
+    for (int c = 0; c < bytes; c += 64) __builtin_prefetch((const char *)next + offset + c, 0, 3);
 }
 
 /* acc[r * MAX_NB + b] = sum over blocks of d[b, block] * (q[b, block] . w[r, block]), R rows (in apart), NB
@@ -1037,7 +1033,7 @@ INLINE __m256i dot_from(__m256i acc, __m256i a, __m256i b) {
                 for (int r = 0; r < R; r++) PREP(w + r * row_bytes + k / SUB * (BYTES256 * SUB / 8), &ks[r]); \
             if (fetch) { /* the next tile's bytes, this block's share (Q6_K's are not whole bytes) */      \
                 const int64_t from = R * BYTES256 * k / 8;                                                  \
-                fetch_ahead(w + PC_Q_AHEAD * tile_bytes, from, (int)(R * BYTES256 * (k + 1) / 8 - from));                \
+                fetch_ahead(w + tile_bytes, from, (int)(R * BYTES256 * (k + 1) / 8 - from));                \
             }                                                                                               \
             __m256i x[Q8_NB];                                                                               \
             __m256 xm[Q8_NB];                                                                               \
@@ -1092,7 +1088,6 @@ GGML_TILE(tile_q6_k, prep_q6_k, wb_q6_k, 8, 210, 1, 0, 0)
  * arithmetic is GGML_TILE's: the same int32 block dot products (q + 32 against x is x's sum x 32 more, exactly),
  * scaled by the same float products, summed in another order. */
 #if X86_512 && defined(__AVX512BW__)
-#define K1_WIDE 1
 typedef __m512 k1_acc;   /* lanes 0-7: a pair's first block, 8-15 its second */
 typedef __m512 k1_scale;
 INLINE k1_acc k1_zero(void) { return _mm512_setzero_ps(); }
@@ -1126,7 +1121,6 @@ INLINE k1_acc k1_fma8(__m256 a, __m256 b, k1_acc acc) {
 }
 INLINE float k1_sum(k1_acc acc) { return _mm512_reduce_add_ps(acc); }
 #else
-#define K1_WIDE 0
 typedef __m256 k1_acc;
 typedef struct { __m256 a, b; } k1_scale;
 INLINE k1_acc k1_zero(void) { return _mm256_setzero_ps(); }
@@ -1190,7 +1184,7 @@ INLINE void k1_q6_k(const uint8_t *b, int p, __m256i *lo, __m256i *hi) {
         k1_acc a[Q8_ROWS_MAX];                                                                              \
         for (int r = 0; r < R; r++) a[r] = k1_zero();                                                       \
         for (int64_t k = 0; k < in / 256; k++) {                                                            \
-            if (PC_Q_FETCH) fetch_ahead(w + PC_Q_AHEAD * R * row_bytes, k * R * BYTES, R * BYTES);         \
+            if (PC_Q_FETCH) fetch_ahead(w + R * row_bytes, k * R * BYTES, R * BYTES);                      \
             const int8_t *x = in_->q + 256 * k;                                                             \
             const __m256 dx = _mm256_loadu_ps(in_->d + 8 * k);                                              \
             __m256 fixed[2]; /* what q does not change, per sub-block: Q4_K's dx x sum, Q6_K's -32 dx x sum */ \
