@@ -29,8 +29,9 @@ FLOORS = [   # (name, module prefixes), top to bottom
     ("native CPU step (binds a loaded model)", ["pagedchat.native"]),
     ("model", ["pagedchat.model"]),
     ("kernels", ["pagedchat.kernels"]),
-    ("base: errors, dtypes, words, sizes, threads", ["pagedchat.errors", "pagedchat.dtypes", "pagedchat.words",
-                                                     "pagedchat.memory", "pagedchat.threads", "pagedchat"]),
+    ("base: errors, dtypes, words, sizes, threads, folders", ["pagedchat.errors", "pagedchat.dtypes", "pagedchat.words",
+                                                              "pagedchat.memory", "pagedchat.threads", "pagedchat.dirs",
+                                                              "pagedchat"]),
 ]
 
 

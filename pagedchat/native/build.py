@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from pagedchat import dirs
+
 SOURCE = Path(__file__).with_name("decode.c")
 BASE_FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-fvisibility=hidden"]
 FLAGS_ENV = "PAGEDCHAT_NATIVE_CFLAGS"  # the target flags, instead of -march=native
@@ -58,8 +60,7 @@ def cache_dir() -> Path:
     """$PAGEDCHAT_NATIVE_CACHE, else $XDG_CACHE_HOME/pagedchat/native (~/.cache/pagedchat/native)."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pagedchat" / "native"
+    return dirs.cache_dir("native")
 
 
 def _cpu_signature() -> str:

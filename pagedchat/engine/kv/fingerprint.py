@@ -19,6 +19,8 @@ import json
 import os
 from pathlib import Path
 
+from pagedchat import dirs
+
 FORMAT_VERSION = 1          # bump when the key scheme or the stored layout changes
 _SAMPLES, _SAMPLE_BYTES = 16, 4096
 _HEADER_LIMIT = 100 * 1024**2  # a safetensors header is JSON: larger than this is not one
@@ -26,8 +28,7 @@ _HEADER_LIMIT = 100 * 1024**2  # a safetensors header is JSON: larger than this 
 
 def kv_cache_root() -> Path:
     """$XDG_CACHE_HOME/pagedchat/kv (default ~/.cache/pagedchat/kv)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return Path(base) / "pagedchat" / "kv"
+    return dirs.cache_dir("kv")
 
 
 def file_digest(path: Path) -> str:

@@ -20,13 +20,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pagedchat import dirs
+
 MIN_STRINGS = 10_000
 FORMAT = 1   # bump when what an entry holds changes
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "pagedchat" / "gguf-headers"
+    return dirs.cache_dir("gguf-headers")
 
 
 def _entry(path: Path) -> Path | None:

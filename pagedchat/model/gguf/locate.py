@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedchat import dirs
 from pagedchat.errors import ModelLoadError
 
 MAGIC = b"GGUF"
@@ -217,8 +218,7 @@ def hf_cache() -> Path:
     for variable in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
         if os.environ.get(variable):
             return Path(os.environ[variable]).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(os.environ.get("HF_HOME") or Path(cache) / "huggingface").expanduser() / "hub"
+    return Path(os.environ.get("HF_HOME") or dirs.cache_home() / "huggingface").expanduser() / "hub"
 
 
 def hf_cache_gguf(repo: str, quant: str) -> list[Path]:
