@@ -1188,14 +1188,14 @@ INLINE void k1_q6_k(const uint8_t *b, int p, __m256i *lo, __m256i *hi) {
             const int8_t *x = in_->q + 256 * k;                                                             \
             const __m256 dx = _mm256_loadu_ps(in_->d + 8 * k);                                              \
             __m256 fixed[2]; /* what q does not change, per sub-block: Q4_K's dx x sum, Q6_K's -32 dx x sum */ \
+            __m256 dx16[2];  /* Q6_K: each sub-block of 16's input scale (its block's) */                   \
             if (SIXTEENS) {                                                                                 \
-                const __m256 dx_lo = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)); \
-                const __m256 dx_hi = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)); \
+                dx16[0] = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));          \
+                dx16[1] = _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));          \
                 const __m256 m32 = _mm256_set1_ps(-32.f);                                                   \
-                fixed[0] = _mm256_mul_ps(_mm256_mul_ps(dx_lo, m32), _mm256_cvtepi32_ps(                     \
-                    _mm256_loadu_si256((const __m256i *)(in_->sum16 + 16 * k))));                           \
-                fixed[1] = _mm256_mul_ps(_mm256_mul_ps(dx_hi, m32), _mm256_cvtepi32_ps(                     \
-                    _mm256_loadu_si256((const __m256i *)(in_->sum16 + 16 * k + 8))));                       \
+                for (int h = 0; h < 2; h++)                                                                 \
+                    fixed[h] = _mm256_mul_ps(_mm256_mul_ps(dx16[h], m32), _mm256_cvtepi32_ps(                \
+                        _mm256_loadu_si256((const __m256i *)(in_->sum16 + 16 * k + 8 * h))));               \
             } else {                                                                                        \
                 fixed[0] = _mm256_mul_ps(dx, _mm256_cvtepi32_ps(                                            \
                     _mm256_loadu_si256((const __m256i *)(in_->sum + 8 * k))));                              \
@@ -1208,8 +1208,7 @@ INLINE void k1_q6_k(const uint8_t *b, int p, __m256i *lo, __m256i *hi) {
                     prep_q6_k(b, &ks);                                                                      \
                     const __m256 s_lo = _mm256_loadu_ps(ks.s), s_hi = _mm256_loadu_ps(ks.s + 8);           \
                     a[r] = k1_fma8(s_hi, fixed[1], k1_fma8(s_lo, fixed[0], a[r]));                          \
-                    sd = _mm256_mul_ps(s_lo, _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))); \
-                    sd_hi = _mm256_mul_ps(s_hi, _mm256_permutevar8x32_ps(dx, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7))); \
+                    sd = _mm256_mul_ps(s_lo, dx16[0]), sd_hi = _mm256_mul_ps(s_hi, dx16[1]);               \
                 } else {                                                                                    \
                     __m256 minus_mins;                                                                      \
                     const __m256 s = q4_k_scales(b, &minus_mins);                                           \

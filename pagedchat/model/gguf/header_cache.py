@@ -13,6 +13,7 @@ cache folder that cannot be written only costs the parse.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import marshal
 import os
@@ -59,6 +60,7 @@ def store(path: Path, header, strings: int) -> None:
     entry = _entry(path)
     if entry is None or strings < MIN_STRINGS:
         return
+    tmp = None
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=entry.parent, suffix=".partial")
@@ -66,7 +68,6 @@ def store(path: Path, header, strings: int) -> None:
             f.write(marshal.dumps(header))
         os.replace(tmp, entry)
     except (OSError, ValueError):
-        try:
-            os.unlink(tmp)
-        except (OSError, UnboundLocalError):
-            pass
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
