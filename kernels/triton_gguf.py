@@ -243,24 +243,41 @@ class GGUFConfig:
     num_stages: int = 3
 
 
+# The gemv's tile: inputs per loop iteration at one row, and warps up to 2 rows. A decode step's layers are a few MB
+# each, so a gemv is latency-bound: each iteration waits on one round trip to memory, and halving the iterations
+# halves those waits. 1,024 inputs on 8 warps hold what 512 on 4 warps held per thread (sm_90 registers at one row:
+# 59-121 against 51-126 before), and a 2048-wide layer takes 2 iterations instead of 4; at 3-4 rows 4 warps keep
+# 256 inputs (82-94 registers; 8 warps spill there). The former tile (512 inputs, 4 warps) stays nameable:
+# `bench gguf` times both, and candidates around them, on a GPU.
+GEMV_INPUTS, GEMV_WARPS = 1024, 8
+
+
+def gemv_config(qtype: str, rows: int, n: int, num_sms: int, inputs: int = GEMV_INPUTS,
+                num_warps: int | None = None, block_n: int = 8) -> GGUFConfig:
+    """The gemv for up to GEMV_MAX_ROWS rows: `inputs` per iteration for one row, halved per doubling of the rows
+    (the products kept per thread grow with both); `block_n` halved down to 2 until every SM has two programs or
+    more (a 2048-wide layer would otherwise leave SMs idle)."""
+    run = FORMATS[qtype][2]
+    block_m = next_pow2(rows)
+    while block_n > 2 and triton.cdiv(n, block_n) < 2 * num_sms:
+        block_n //= 2
+    return GGUFConfig("gemv", block_n=block_n, block_u=max(1, inputs // (2 * run * block_m)), block_m=block_m,
+                      num_warps=num_warps or (GEMV_WARPS if block_m <= 2 else 4))
+
+
 def default_config(qtype: str, rows: int, n: int, dtype: torch.dtype, num_sms: int) -> GGUFConfig:
-    """gemv: 512 inputs per iteration for one row, halved per doubling of the rows (the products kept per thread
-    grow with both); BLOCK_N halved from 8 until every SM has two programs or more (a 2048-wide layer would
-    otherwise leave SMs idle). gemm: 16-row tiles for a decode batch (BLOCK_N narrowed alike), 64 x 128 with 8
-    warps for prefill; 64 inputs per iteration (Q6_K: its unit, 128). fp32 inputs take 16 x 32 tiles at any row
-    count: IEEE dots run on the FMA units, where each thread holds its tile's rows and columns whole (larger
-    tiles spill). ptxas for sm_90: 48-126 registers for the gemv, 50-208 for the gemm, no spills
-    (docs/kernels.md)."""
+    """gemv up to GEMV_MAX_ROWS rows (gemv_config). gemm: 16-row tiles for a decode batch (BLOCK_N narrowed
+    alike), 64 x 128 with 8 warps for prefill; 64 inputs per iteration (Q6_K: its unit, 128). fp32 inputs take
+    16 x 32 tiles at any row count: IEEE dots run on the FMA units, where each thread holds its tile's rows and
+    columns whole (larger tiles spill). ptxas for sm_90: the table in docs/kernels.md, no spills."""
     def narrowed(block_n: int, least: int) -> int:
         while block_n > least and triton.cdiv(n, block_n) < 2 * num_sms:
             block_n //= 2
         return block_n
 
-    run = FORMATS[qtype][2]
     if rows <= GEMV_MAX_ROWS:
-        block_m = next_pow2(rows)
-        return GGUFConfig("gemv", block_n=narrowed(8, 2), block_u=256 // (run * block_m), block_m=block_m)
-    block_u = max(1, 32 // run)
+        return gemv_config(qtype, rows, n, num_sms)
+    block_u = max(1, 32 // FORMATS[qtype][2])
     if dtype == torch.float32:
         return GGUFConfig("gemm", block_n=narrowed(32, 16), block_u=block_u, block_m=16)
     if rows <= 16:

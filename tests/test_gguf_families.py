@@ -108,6 +108,22 @@ def test_weights_kept_in_the_file_format_give_the_same_tokens(gguf_model, qtype)
     check_alone_batched_and_variants(eng, oracle)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", ("Q8_0", "Q4_K", "Q6_K"))
+def test_weights_kept_in_the_file_format_on_the_gpu(gguf_model, qtype):
+    """CUDA, fp32: the Triton GGUF matmuls inside decode steps captured in CUDA graphs give transformers' tokens;
+    the parts of one type in a fused layer were joined at load (here q/k/v and gate/up: one launch each)."""
+    from pagedchat.model.gguf.linear import GGUFLinear
+
+    path, oracle = gguf_model("qwen2", qtype)
+    eng = Engine(EngineConfig(model=str(path), device="cuda", dtype="float32", num_blocks=128), show_progress=False)
+    assert eng.runner.graphs is not None
+    layer = eng.loaded.model.layers[0]
+    for fused in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+        assert isinstance(fused, GGUFLinear) and len(fused.qtypes) == 1, fused
+    check_alone_batched_and_variants(eng, oracle)
+
 def test_a_model_no_kernel_runs_as_stored_is_dequantized_at_load_with_a_note(gguf_model, caplog):
     """The MoE families have no CPU kernel for the block formats yet: dequantizing every weight at every step
     would be far slower than dequantizing once, so they load dequantized and say so."""

@@ -46,7 +46,7 @@ def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp
                           timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((out / "gpu-check.json").read_text())
-    assert list(report["steps"]) == ["install", "tests", "model", "batch1", "throughput", "kernels", "spec"]
+    assert list(report["steps"]) == ["install", "tests", "model", "batch1", "throughput", "kernels", "spec", "gguf"]
     assert all(s["status"] == "ok" for s in report["steps"].values()), report["steps"]
     assert report["steps"]["tests"]["figures"]["collected"] > 10          # the GPU tests import without a GPU
     assert report["steps"]["batch1"]["figures"]["of_floor"] == 0.5
@@ -60,6 +60,9 @@ def test_the_dry_run_goes_through_the_plan_and_writes_the_json_and_the_table(tmp
     assert report["steps"]["spec"]["figures"]["greedy_identical"] is True
     assert report["steps"]["kernels"]["figures"]["impls"]["v2"] == {"decode_copy_frac": 0.5, "decode_vs_sdpa": 1.0,
                                                                     "prefill_4k_vs_sdpa": 0.5}
+    assert report["steps"]["gguf"]["figures"]["bf16_over_current"] == 3.0
+    assert "Q4_K_M 100.0 µs (former tiles 150.0, fastest per layer 90.0), bf16 300.0 µs = 3.00x" in \
+        next(row[3] for row in gpu.summary_rows(report) if row[0] == "gguf")
     assert {"git_revision", "date", "machine_info", "budget_s", "wall_s", "command"} <= set(report)
     for name in ("torch", "triton", "transformers", "cpu_isa"):
         assert name in report["machine_info"]
@@ -166,3 +169,9 @@ def test_a_benchmark_cut_at_its_limit_keeps_the_rows_it_finished(tmp_path):
     figures = gpu.read_kernels_partial(kernel_rows, tmp_path)
     assert figures["impls"] == {"v2": {"decode_copy_frac": 0.8, "decode_vs_sdpa": 1.1},
                                 "v1": {"prefill_16k_vs_sdpa": 0.4}}
+
+    gguf_rows = [{"layer": "o", "out": 2048, "in": 2048, "qtype": "Q4_K", "us": {"current": 4.0, "former": 6.0}},
+                 {"step": "current", "us": 210.0}, {"step": "former", "us": 300.0}]
+    figures = gpu.read_gguf_partial(gguf_rows, tmp_path)
+    assert figures["step_us"] == {"current": 210.0, "former": 300.0} and figures["layers"] == gguf_rows[:1]
+    assert figures["bf16_over_current"] is None

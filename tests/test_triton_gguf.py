@@ -137,6 +137,25 @@ def test_gguf_linear_on_triton_is_its_dequantizing_path(monkeypatch, batch):
 
 
 @needs_triton
+def test_parts_of_one_type_join_into_one_launch_and_the_same_product(monkeypatch):
+    """What the loader does on CUDA: q and k (Q4_K), v (Q6_K), then gate and up (Q4_K) become one part per run of
+    a type, so a step launches a kernel per run; the layer's weight and its Triton product are unchanged."""
+    from pagedchat.model.gguf.linear import runs_of_one_type
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    typed = [("Q4_K", 16), ("Q4_K", 8), ("Q6_K", 8), ("Q4_K", 4), ("Q4_K", 4)]
+    parts = [(_blocks(qtype, rows, 256, seed=i), int(GGMLType[qtype])) for i, (qtype, rows) in enumerate(typed)]
+    joined = runs_of_one_type(parts)
+    assert [(raw.shape[0], type_) for raw, type_ in joined] == \
+        [(24, int(GGMLType.Q4_K)), (8, int(GGMLType.Q6_K)), (8, int(GGMLType.Q4_K))]
+    assert joined[1][0] is parts[2][0]                   # a part alone is kept as it is, not copied
+    apart, together = GGUFLinear(parts, 256), GGUFLinear(joined, 256)
+    assert torch.equal(apart.dequantized(), together.dequantized())
+    x = torch.randn(3, 256)
+    assert torch.equal(apart.triton_forward(x), together.triton_forward(x))
+
+
+@needs_triton
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 4, 16, 512])
 def test_compiles_for_sm90_without_spills(qtype, rows):

@@ -8,8 +8,8 @@ each in its own process under its own time limit, all within one overall budget 
   tests       the `gpu` tests (in pytest-xdist workers where installed): every family fp32-exact against
               transformers on the same GPU (long prompts through a small step budget, the prefix cache, n=4, a
               7-head MHA Qwen2 shape), bf16 agreement, graph capture of every family, memory given back by
-              close(), the kernel tests (attention, GGUF and int4 matmuls, fused layers, fp8/int8 KV); each
-              outcome is streamed to a file as it comes
+              close(), the kernel tests (attention, GGUF and int4 matmuls, fused layers, fp8/int8 KV), GGUF
+              files' models on the GGUF matmuls in CUDA graphs; each outcome is streamed to a file as it comes
   model       a random model of Llama-3.2-1B's shape (16 layers, hidden 2048, 32/8 heads of 64, vocab 128,256,
               tied, bf16), built on the GPU once for the two steps below
   batch1      batch-1 decode (CUDA graphs on and off, `--quantize int4`, the same shape as a Q4_K_M GGUF file on
@@ -20,6 +20,9 @@ each in its own process under its own time limit, all within one overall budget 
               both attention generations (v1, v2) side by side
   spec        `bench spec` on the demo model: `--speculate ngram` against plain decode (edit-like, regenerate and
               plain workloads at batch 1 and 8), greedy tokens compared
+  gguf        `bench gguf`: the Triton GGUF matmuls of the model's shape as Q4_K_M at batch 1, each layer's
+              current, former and candidate tiles, and one step's matmuls in a CUDA graph against bf16 (last: where
+              the budget runs out first, `--only gguf` runs it alone)
 
 and writes OUTDIR/gpu-check.json (date, git revision, GPU, driver, versions, each step's status, time, error
 and figures; rewritten after every step, so a run cut short keeps what it measured; a step stopped at its limit
@@ -54,7 +57,8 @@ BUDGET_S = 560          # the whole run, steps included: under 10 minutes (a len
 MIN_STEP_S = 20         # a step that would get less is skipped, not started
 OUTCOMES = "gpu-tests.jsonl"   # each test's outcome as it comes (tests/conftest.py), kept when the step is cut
 GPU_TESTS = ("tests/test_gpu_engine.py", "tests/test_kernels.py", "tests/test_triton_gguf.py", "tests/test_int4.py",
-             "tests/test_fused_kernels.py", "tests/test_gguf_quants.py", "tests/test_kv_dtype.py")
+             "tests/test_fused_kernels.py", "tests/test_gguf_quants.py", "tests/test_gguf_families.py",
+             "tests/test_kv_dtype.py")
 MODEL_SHAPE = dict(arch="llama", size="1b", max_positions=4096)
 # transformers' peers are left out: neither finished 256 x 128 within 40 s on an H100 (the goal is absolute)
 THROUGHPUT_ARGS = ("--requests", "256", "--max-tokens", "128", "--systems", "pagedchat,pagedchat-sync")
@@ -194,6 +198,19 @@ def read_kernels_partial(rows: list[dict], outdir: Path) -> dict:
     return read_kernels(json.dumps({"measurements": rows}), outdir)
 
 
+def read_gguf(stdout: str, outdir: Path) -> dict:
+    """The step's matmuls in one graph (current, former and fastest tiles, bf16) and each layer's row."""
+    r = _json_out(stdout, outdir)
+    return {"step_us": r.get("step_us", {}), "bf16_over_current": r.get("bf16_over_current"),
+            "former_over_current": r.get("former_over_current"), "bf16_over_best": r.get("bf16_over_best"),
+            "copy_gbps": r.get("copy_gbps"), "layers": r.get("layers", [])}
+
+
+def read_gguf_partial(rows: list[dict], outdir: Path) -> dict:
+    step_us = {row["step"]: row["us"] for row in rows if "step" in row}
+    return read_gguf(json.dumps({"step_us": step_us, "layers": [row for row in rows if "layer" in row]}), outdir)
+
+
 def read_nothing(stdout: str, outdir: Path) -> dict:
     return {}
 
@@ -224,6 +241,8 @@ _DRY_THROUGHPUT = {"systems": {"pagedchat": {"output_tok_per_s": 2.0, "ttft_p50_
 _DRY_SPEC = {"rows": [{"workload": w, "batch": b, "speedup": 2.0, "acceptance_rate": 0.5,
                       "greedy_identical": None if w == "regen" else True}
                      for b in (1, 8) for w in ("edit", "regen", "plain")]}
+_DRY_GGUF = {"step_us": {"current": 100.0, "former": 150.0, "best": 90.0, "bf16": 300.0}, "bf16_over_current": 3.0,
+             "former_over_current": 1.5, "bf16_over_best": 3.33, "copy_gbps": 1.0, "layers": []}
 _DRY_KERNELS = {"measurements": [{"kernel": "device_copy", "gbps": 1.0},
                                  {"kernel": "decode", "sweep": "batch", "batch": 64, "impl": "v2", "copy_frac": 0.5,
                                   "vs_sdpa": 1.0},
@@ -264,6 +283,8 @@ def plan(outdir: Path, model_dir: Path) -> list[Step]:
         Step("spec", 60, cli + ["spec", "-m", "demo", "--device", "cuda", "--dtype", "float32", "--batch", "8",
                                 "--max-tokens", "96", "--repeats", "1", "--json"], read_spec,
              dry_argv=_canned(_DRY_SPEC)),
+        Step("gguf", 75, cli + ["gguf", "--json"], read_gguf, dry_argv=_canned(_DRY_GGUF),
+             read_partial=read_gguf_partial, env={PARTIAL_ENV: "1"}),
     ]
 
 
@@ -391,6 +412,11 @@ def summary_rows(report: dict) -> list[list]:
             speedups = ", ".join(f"{w} {_n(x, 2)}x" for w, x in f.get("speedup_batch1", {}).items())
             words = (f"ngram at batch 1: {speedups} (plain not overlapped); greedy tokens identical: "
                      f"{f.get('greedy_identical')}" if f else "")
+        elif name == "gguf":
+            us = f.get("step_us", {})
+            words = (f"one step's matmuls: Q4_K_M {_n(us.get('current'), 1)} µs (former tiles "
+                     f"{_n(us.get('former'), 1)}, fastest per layer {_n(us.get('best'), 1)}), bf16 "
+                     f"{_n(us.get('bf16'), 1)} µs = {_n(f.get('bf16_over_current'), 2)}x" if us else "")
         elif name == "kernels":
             words = "; ".join(
                 f"{impl}: decode headline {_pct(k.get('decode_copy_frac'))} of copy, "

@@ -714,6 +714,20 @@ def _plot_path(plot: Optional[str]) -> Optional[str]:
     return plot
 
 
+@bench.command("gguf", help="The Triton GGUF matmuls of a Llama-3.2-1B-shaped Q4_K_M model at batch 1: each "
+                             "layer's tiles against copy bandwidth and bf16, and one step's matmuls in a CUDA graph "
+                             "(CUDA).")
+def gguf(
+    iters: int = typer.Option(20, "--iters", help="Timed launches per figure; the median counts."),
+    candidates: bool = typer.Option(True, "--candidates/--no-candidates", help="Also time the candidate tiles "
+                                                                               "around the current one."),
+    as_json: bool = JSON,
+) -> None:
+    from pagedchat.bench.gguf_kernels import print_gguf_report, run_gguf_bench
+
+    _finish(run_gguf_bench(iters=iters, candidates=candidates), as_json, print_gguf_report)
+
+
 @bench.command("step", help="Where a batch-1 decode step's time goes: the engine's own Python against the "
                             "model's forward (CPU; wall and thread CPU time).")
 def step(

@@ -105,6 +105,20 @@ class GGUFLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, types={types}"
 
 
+def runs_of_one_type(parts: list[tuple[torch.Tensor, int]]) -> list[tuple[torch.Tensor, int]]:
+    """Adjacent parts of one type joined into one (their rows stacked in order; the weight is unchanged). On CUDA
+    each part is a kernel launch per step, and a Q4_K_M file keeps q and k (often v), gate and up in one type:
+    a batch-1 step of a 16-layer model launches 40 fewer kernels. Not on the CPU: the native step maps each
+    part's file pages into its arena as they are, where joining would first copy them all."""
+    joined: list[tuple[list[torch.Tensor], int]] = []
+    for raw, qtype in parts:
+        if joined and joined[-1][1] == qtype:
+            joined[-1][0].append(raw)
+        else:
+            joined.append(([raw], qtype))
+    return [(raws[0] if len(raws) == 1 else torch.cat(raws), qtype) for raws, qtype in joined]
+
+
 _scratch = threading.local()
 
 

@@ -209,13 +209,16 @@ def _fill(param: torch.Tensor, offset, rows: int, raw: np.ndarray, tensor: GGUFT
 
 
 def _swap_linear(model: nn.Module, owner: str, parts: list[tuple[int, np.ndarray, int]]) -> None:
-    from pagedchat.model.gguf.linear import GGUFLinear
+    from pagedchat.model.gguf.linear import GGUFLinear, runs_of_one_type
 
     parent_name, _, attr = owner.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     linear = getattr(parent, attr)
     parts = sorted(parts, key=lambda p: p[0])
-    blocks = [(_as_tensor(raw).to(linear.weight.device), qtype) for _, raw, qtype in parts]
+    blocks = [(_as_tensor(raw), qtype) for _, raw, qtype in parts]
+    if linear.weight.device.type == "cuda":
+        blocks = runs_of_one_type(blocks)
+    blocks = [(raw.to(linear.weight.device), qtype) for raw, qtype in blocks]
     layer = GGUFLinear(blocks, linear.in_features, None if linear.bias is None else linear.bias.data)
     if layer.out_features != linear.out_features:
         raise ModelLoadError(f"{owner}: the file's weights give {layer.out_features} rows, the model expects "
