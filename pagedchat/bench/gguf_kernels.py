@@ -22,7 +22,6 @@ from pagedchat.bench.gguf_writer import LLAMA_3_2_1B, q4_k_m_type
 # (inputs per iteration at one row, output features per program, warps) around the current and former tiles
 # (each a compile per type: a few seconds of a lent GPU's minutes)
 CANDIDATES = [(512, 8, 4), (1024, 4, 4), (1024, 2, 8), (1024, 8, 8), (2048, 2, 8), (2048, 4, 8)]
-BYTES = {"Q4_K": (256, 144), "Q6_K": (256, 210)}   # values, bytes per block
 
 
 @dataclass(frozen=True)
@@ -35,8 +34,10 @@ class Layer:
 
     @property
     def weight_bytes(self) -> int:
-        values, size = BYTES[self.qtype]
-        return self.out_features * self.in_features // values * size
+        from pagedchat.model.gguf.quants import row_bytes
+        from pagedchat.model.gguf.reader import GGMLType
+
+        return self.out_features * row_bytes(int(GGMLType[self.qtype]), self.in_features)
 
     @property
     def kind(self) -> tuple:
@@ -112,17 +113,24 @@ def measure(timer, copy_gbps: float, step: list[list[Layer]], device, candidates
             "weight_bytes": sum(layer.weight_bytes for launches in step for layer in launches)}
 
 
+def _current_and_former(layer: Layer, device) -> dict[str, object]:
+    """The gemv tile a batch-1 step uses now, and the one it used before (512 inputs per iteration, 4 warps)."""
+    from pagedchat.kernels._launch import sm_count
+    from pagedchat.kernels.triton_gguf import gemv_config
+
+    sms = sm_count(device)
+    return {"current": gemv_config(layer.qtype, 1, layer.out_features, sms),
+            "former": gemv_config(layer.qtype, 1, layer.out_features, sms, inputs=512, num_warps=4)}
+
+
 def _configs(layer: Layer, candidates: bool, device) -> dict[str, object]:
     """The current tile, the former one and (candidates) the others, by name; names that give the same launch
     are kept once."""
-    from pagedchat.kernels._launch import sm_count
-    from pagedchat.kernels.triton_gguf import GGUFConfig, gemv_config
+    from pagedchat.kernels.triton_gguf import FORMATS, GGUFConfig
 
-    sms = sm_count(device)
-    configs = {"current": gemv_config(layer.qtype, 1, layer.out_features, sms),
-               "former": gemv_config(layer.qtype, 1, layer.out_features, sms, inputs=512, num_warps=4)}
+    configs = _current_and_former(layer, device)
     if candidates:
-        run = 64 if layer.qtype == "Q6_K" else 32
+        run = FORMATS[layer.qtype][2]
         for inputs, block_n, warps in CANDIDATES:
             configs[f"{inputs}/{block_n}/{warps}"] = GGUFConfig("gemv", block_n=block_n,
                                                                  block_u=inputs // (2 * run), num_warps=warps)
@@ -156,26 +164,22 @@ def _layer_row(torch, timer, layer: Layer, copy_gbps: float, candidates: bool, d
 
 
 def _random_blocks(torch, layer: Layer, device):
-    values, size = BYTES[layer.qtype]
-    return torch.randint(0, 256, (layer.out_features, layer.in_features // values * size), dtype=torch.uint8,
+    return torch.randint(0, 256, (layer.out_features, layer.weight_bytes // layer.out_features), dtype=torch.uint8,
                          device=device)
 
 
 def _step_graphs(torch, timer, step: list[list[Layer]], best: dict, device) -> dict[str, float]:
     """µs of one step's matmuls in one CUDA graph, each launch with a weight of its own: the current tiles, the
     former, the fastest per layer, and bf16 cuBLAS."""
-    from pagedchat.kernels._launch import sm_count
-    from pagedchat.kernels.triton_gguf import gemv_config, gguf_matmul_triton
+    from pagedchat.kernels.triton_gguf import gguf_matmul_triton
 
-    sms = sm_count(device)
     launches = [layer for layers in step for layer in layers]
     xs = {n: torch.randn(1, n, device=device, dtype=torch.bfloat16) for n in {la.in_features for la in launches}}
     result = {}
     weights = [_random_blocks(torch, layer, device) for layer in launches]
     outs = [torch.empty(1, layer.out_features, device=device, dtype=torch.bfloat16) for layer in launches]
-    choices = {"current": [gemv_config(la.qtype, 1, la.out_features, sms) for la in launches],
-               "former": [gemv_config(la.qtype, 1, la.out_features, sms, inputs=512, num_warps=4)
-                          for la in launches],
+    tiles = [_current_and_former(la, device) for la in launches]
+    choices = {"current": [t["current"] for t in tiles], "former": [t["former"] for t in tiles],
                "best": [best[la.kind] for la in launches]}
     for name, configs in choices.items():
         def run(configs=configs):
