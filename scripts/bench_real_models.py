@@ -236,6 +236,23 @@ def _llama_1b_file() -> Path:
     return path
 
 
+def _builds() -> dict:
+    """What each side's compiled code targets: the ISA a figure belongs to is the build's, not only the CPU's
+    (PAGEDCHAT_NATIVE_CFLAGS=-march=haswell and an AVX2 llama.cpp measure the AVX2 paths on an AVX-512 CPU)."""
+    from pagedchat.native import build
+
+    lib = build.load(wait=True)
+    builds = {"pagedchat": build.build_info(lib) if lib is not None else build.status(),
+              "pagedchat_flags": os.environ.get(build.FLAGS_ENV) or "-march=native"}
+    try:
+        import llama_cpp
+
+        builds["llama_cpp"] = f"{llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}"
+    except ImportError:
+        builds["llama_cpp"] = None
+    return builds
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -260,7 +277,7 @@ def main() -> None:
     command = f"python scripts/bench_real_models.py --threads {a.threads} --repeats {a.repeats}" \
         + (" --llama-1b" if a.llama_1b else "")
     report = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine_description(),
-              "threads": a.threads, "repeats": a.repeats, "models": {}}
+              "builds": _builds(), "threads": a.threads, "repeats": a.repeats, "models": {}}
     for path in paths:
         report["models"][Path(path).name] = measure(path, a.threads, a.repeats)
     if a.llama_1b:

@@ -347,8 +347,19 @@ def real_models(r: dict) -> str:
         rows[list(rows)[5]] += [f"{rss['pagedchat'] / 2**20:,.0f} MiB", "", f"{rss['llama.cpp'] / 2**20:,.0f} MiB"]
     pairs = len(next(iter(r["models"].values())).get("run_to_first_token_runs", {}).get("pagedchat", [])) or r["repeats"]
     return (f"{r['threads']} thread(s) for every system, medians of {r['repeats']} alternating runs ({pairs} for "
-            f"the one-shot `run`).\n\n"
+            f"the one-shot `run`).{_builds(r.get('builds'))}\n\n"
             + table(header, [[k, *v] for k, v in rows.items() if any(v)]) + _shapes(r.get("shapes", {})))
+
+
+def _builds(builds: dict | None) -> str:
+    """What each side's compiled code targets, where the run recorded it (a build for another ISA than the CPU's
+    best is how one CPU measures the AVX2 paths)."""
+    if not builds:
+        return ""
+    cpu = (builds.get("llama_cpp") or "not installed").split("CPU : ")[-1].strip(" |")
+    enabled = " ".join(f.split(" = ")[0] for f in cpu.split(" | ") if f.endswith("= 1")) or cpu
+    return (f" pagedchat's native step built with `{builds['pagedchat_flags']}` ({builds['pagedchat']}); "
+            f"llama.cpp's CPU backend with {enabled}.")
 
 
 def _shapes(shapes: dict) -> str:
