@@ -6,6 +6,7 @@
 #
 #   scripts/run_benchmarks.sh                 # every group (about 50 minutes on a 2-core CPU)
 #   ONLY=throughput scripts/run_benchmarks.sh # one group: memory | throughput | chat | serve | spec | accuracy | real | web | gpu
+#   ONLY=real-avx2 AVX2_LLAMA_CPP=DIR scripts/run_benchmarks.sh   # the AVX2 builds of both systems (only on request)
 #
 # Run it on a quiet machine: every comparison alternates the systems in one run, but a busy neighbour still
 # moves the ratios. The llama.cpp rows need llama-cpp-python (without it they are left out, with a note).
@@ -70,6 +71,19 @@ fi
 if want real; then        # the published GGUF files against llama.cpp on the same file (fetched on first use)
     run "real-models-$ISA" -- python scripts/bench_real_models.py --threads 1 --repeats 3 --json
     run "real-models-2threads-$ISA" -- python scripts/bench_real_models.py --threads 2 --repeats 3 --json
+fi
+# The AVX2 paths of both systems on a CPU with AVX-512: pagedchat's native step built for haswell, and a
+# llama-cpp-python built without AVX-512 or VNNI into AVX2_LLAMA_CPP (a folder for PYTHONPATH), as with
+#   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+#     -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF" pip install --no-deps --target DIR llama-cpp-python==0.3.36
+if [[ "${ONLY:-}" == real-avx2 ]]; then
+    [[ -n "${AVX2_LLAMA_CPP:-}" ]] || { echo "real-avx2 needs AVX2_LLAMA_CPP (see above)" >&2; exit 2; }
+    avx2=(env PAGEDCHAT_NATIVE_CFLAGS=-march=haswell PAGEDCHAT_NATIVE_CACHE="${TMPDIR:-/tmp}/pagedchat-avx2-native"
+          PYTHONPATH="$AVX2_LLAMA_CPP${PYTHONPATH:+:$PYTHONPATH}")
+    run real-models-avx2-builds -- "${avx2[@]}" python scripts/bench_real_models.py --threads 1 --repeats 3 \
+        --llama-1b --json
+    run real-models-2threads-avx2-builds -- "${avx2[@]}" python scripts/bench_real_models.py --threads 2 \
+        --repeats 5 --llama-1b --json
 fi
 if want web; then         # the chat page in Debian's chromium (apt install chromium chromium-driver)
     run "web-$ISA" -- python scripts/bench_web.py --repeats 5 --json

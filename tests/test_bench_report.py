@@ -44,7 +44,9 @@ MEASURED_ONCE = {"chat-cpu.json": "an older engine, kept beside its re-measureme
                                               "(scripts/host_step_ab.py)",
                  "host-step-inputs-ab.json": "an A/B of the step's input building against the revision before it",
                  "host-step-scheduler-ab.json": "an A/B of the scheduler's decode fast path against the revision "
-                                                "before it"}
+                                                "before it",
+                 "real-models-2threads-avx2-builds-3repeats.json": "an earlier, shorter run of the AVX2 builds on "
+                                                                   "two threads, cited in prose"}
 
 
 def test_run_benchmarks_writes_every_file_the_page_names():
