@@ -257,12 +257,17 @@ def gemv_config(qtype: str, rows: int, n: int, num_sms: int, inputs: int = GEMV_
     """The gemv for up to GEMV_MAX_ROWS rows: `inputs` per iteration for one row, halved per doubling of the rows
     (the products kept per thread grow with both); `block_n` halved down to 2 until every SM has two programs or
     more (a 2048-wide layer would otherwise leave SMs idle)."""
-    run = FORMATS[qtype][2]
     block_m = next_pow2(rows)
-    while block_n > 2 and triton.cdiv(n, block_n) < 2 * num_sms:
-        block_n //= 2
-    return GGUFConfig("gemv", block_n=block_n, block_u=max(1, inputs // (2 * run * block_m)), block_m=block_m,
+    return GGUFConfig("gemv", block_n=_narrowed(block_n, 2, n, num_sms),
+                      block_u=max(1, inputs // (2 * FORMATS[qtype][2] * block_m)), block_m=block_m,
                       num_warps=num_warps or (GEMV_WARPS if block_m <= 2 else 4))
+
+
+def _narrowed(block_n: int, least: int, n: int, num_sms: int) -> int:
+    """block_n halved down to `least` until n features make two programs or more per SM."""
+    while block_n > least and triton.cdiv(n, block_n) < 2 * num_sms:
+        block_n //= 2
+    return block_n
 
 
 def default_config(qtype: str, rows: int, n: int, dtype: torch.dtype, num_sms: int) -> GGUFConfig:
@@ -270,18 +275,13 @@ def default_config(qtype: str, rows: int, n: int, dtype: torch.dtype, num_sms: i
     alike), 64 x 128 with 8 warps for prefill; 64 inputs per iteration (Q6_K: its unit, 128). fp32 inputs take
     16 x 32 tiles at any row count: IEEE dots run on the FMA units, where each thread holds its tile's rows and
     columns whole (larger tiles spill). ptxas for sm_90: the table in docs/kernels.md, no spills."""
-    def narrowed(block_n: int, least: int) -> int:
-        while block_n > least and triton.cdiv(n, block_n) < 2 * num_sms:
-            block_n //= 2
-        return block_n
-
     if rows <= GEMV_MAX_ROWS:
         return gemv_config(qtype, rows, n, num_sms)
     block_u = max(1, 32 // FORMATS[qtype][2])
     if dtype == torch.float32:
-        return GGUFConfig("gemm", block_n=narrowed(32, 16), block_u=block_u, block_m=16)
+        return GGUFConfig("gemm", block_n=_narrowed(32, 16, n, num_sms), block_u=block_u, block_m=16)
     if rows <= 16:
-        return GGUFConfig("gemm", block_n=narrowed(64, 16), block_u=block_u, block_m=16)
+        return GGUFConfig("gemm", block_n=_narrowed(64, 16, n, num_sms), block_u=block_u, block_m=16)
     return GGUFConfig("gemm", block_n=128, block_u=block_u, block_m=64, num_warps=8)
 
 
