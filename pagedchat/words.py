@@ -25,3 +25,23 @@ def cut_mark(finish_reason: str | None) -> str:
 
 def _is_terminal() -> bool:
     return sys.stdout.isatty()
+
+
+# What a terminal acts on instead of showing: the C0 controls but tab and newline (ESC starts the sequences that
+# move the cursor, clear the screen or set the window title; CR returns to the start of the line), DEL and the C1
+# controls (0x9b is a one-byte CSI). Generated text shown on a terminal carries each as its Unicode control picture
+# (ESC as U+241B) or U+FFFD, one character for one, so a reply can never move the cursor or rewrite the screen
+# (a small random model's ESC M once pulled a variant's text into the row above). A pipe or a file gets the text as
+# generated.
+_PICTURES = {**{c: 0x2400 + c for c in range(0x20) if c not in (0x09, 0x0A)}, 0x7F: 0x2421,
+             **{c: 0xFFFD for c in range(0x80, 0xA0)}}
+
+
+def for_terminal(text: str) -> str:
+    """`text` with every control character a terminal would act on replaced by a visible one (same length)."""
+    return text.translate(_PICTURES)
+
+
+def for_stdout(text: str) -> str:
+    """Generated text as stdout should get it: for_terminal on a terminal, unchanged in a pipe or a file."""
+    return for_terminal(text) if _is_terminal() else text

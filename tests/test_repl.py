@@ -280,3 +280,22 @@ def test_logprobs_and_branch_typed_at_the_prompt(repl, ctl):
     rows = [line for line in screen.splitlines() if line.strip().split(" ")[:1] == ["2"] and " · 1 " in line]
     assert rows       # token 2 and its alternatives, rank 1 first
     assert len([line for line in screen.splitlines() if " new + " in line]) == 2   # two turns, two stats lines
+
+
+def test_control_characters_in_a_reply_are_shown_not_obeyed():
+    """A reply is printed by a terminal: ESC M (cursor up), ESC [2J (clear), CR, BEL, a C1 CSI must not act.
+    Side-by-side variants keep their titles and each reply its text, the controls as visible pictures; a pipe
+    gets the text as generated."""
+    from pagedchat.chat import render
+    from pagedchat import words
+
+    nasty = "ten q\x1bMjmps\x1b[2J \rback\x07 c1\x9b5A end"
+    console, buffer = text_console(width=120)
+    console.print(render.variants_view([nasty, "plain"], ["variant 1 · #5", "variant 2 · #6"], 120))
+    console.print(render.reply_view(nasty))
+    shown = buffer.getvalue()
+    assert not any(c in shown for c in "\x1b\r\x07\x9b")
+    assert "variant 2 · #6" in shown and "␛Mjmps␛[2J ␍back␇ c1�5A end" in shown
+    assert words.for_terminal(nasty).count("\n") == 0 and len(words.for_terminal(nasty)) == len(nasty)
+    assert words.for_terminal("tabs\tand\nnewlines stay") == "tabs\tand\nnewlines stay"
+    assert words.for_stdout(nasty) == nasty          # pytest's stdout is not a terminal: the text as generated

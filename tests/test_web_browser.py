@@ -69,6 +69,13 @@ def messages(driver) -> list[tuple[str, str]]:
         "return [...document.querySelectorAll('#messages > [data-role]')].map(m => [m.dataset.role, m.dataset.nodeId])")]
 
 
+def texts(driver, selector) -> list[str]:
+    """The shown text of each element `selector` finds, in one read (an element found in one call and read in the
+    next may have been redrawn between them: a stale element)."""
+    return driver.execute_script("return [...document.querySelectorAll(arguments[0])].map(e => e.innerText)",
+                                 selector)
+
+
 def saved(sessions: Path, name: str) -> dict:
     return json.loads((sessions / f"{name}.json").read_text())
 
@@ -90,16 +97,16 @@ def test_send_regenerate_edit_fork_pick_and_reload(page):
     paints = driver.execute_script("return window.__pagedchat.paints")
     assert len({p["chars"] for p in paints}) >= 2, "the reply did not arrive in pieces"
     assert len(token_to_screen_ms(driver)) == len(paints)
-    first = q(driver, "[data-role=assistant] [data-content]")[0].text
+    first = texts(driver, "[data-role=assistant] [data-content]")[0]
     assert first and saved(sessions, name)["nodes"][1]["text"].startswith(first.split()[0])
 
     # regenerate: a second version, with sibling arrows; back to the first
     click(driver, "[data-role=assistant] [data-action=regenerate]")
     wait_for_reply(driver)
-    assert q(driver, "[data-role=assistant] [data-sibling-pos]")[0].text == "2/2"
+    assert texts(driver, "[data-role=assistant] [data-sibling-pos]")[0] == "2/2"
     click(driver, "[data-role=assistant] [data-action=prev-sibling]")
     wait_until(lambda: q(driver, "[data-role=assistant] [data-sibling-pos]")[0].text == "1/2")
-    assert q(driver, "[data-role=assistant] [data-content]")[0].text == first
+    assert texts(driver, "[data-role=assistant] [data-content]")[0] == first
 
     # edit the message: a sibling branch with its own reply
     click(driver, "[data-role=user] [data-action=edit]")
@@ -107,8 +114,8 @@ def test_send_regenerate_edit_fork_pick_and_reload(page):
     area.clear()
     area.send_keys("What is 2 + 3?", Keys.ENTER)
     wait_for_reply(driver)
-    assert q(driver, "[data-role=user] [data-sibling-pos]")[0].text == "2/2"
-    assert "What is 2 + 3?" in q(driver, "[data-role=user]")[0].text
+    assert texts(driver, "[data-role=user] [data-sibling-pos]")[0] == "2/2"
+    assert "What is 2 + 3?" in texts(driver, "[data-role=user]")[0]
 
     # fork 3: three columns streaming at once; continue from the second
     driver.find_element(By.CSS_SELECTOR, "textarea[name=message]").send_keys("Name a capital city.")
@@ -167,7 +174,7 @@ def test_a_session_the_repl_wrote_opens_and_continues(page):
     open_page(driver, url)
     click(driver, '[data-session="from-repl"]')
     wait_until(lambda: len(messages(driver)) == 2)
-    assert "12 + 30" in q(driver, "[data-role=user]")[0].text
+    wait_until(lambda: "12 + 30" in "".join(texts(driver, "[data-role=user]")))
     send_and_wait(driver, "And 1 + 1?")
     nodes = saved(sessions, "from-repl")["nodes"]
     assert [n["role"] for n in nodes] == ["user", "assistant", "user", "assistant"]

@@ -15,7 +15,7 @@ from pagedchat.chat.backend import ContextFull, stop_on_ctrl_c
 from pagedchat.settings import ModelOptions, SamplingOptions, kv_report
 from pagedchat.errors import UserError
 from pagedchat.prompts import require_text
-from pagedchat.words import cut_mark
+from pagedchat.words import cut_mark, for_stdout
 
 
 def run_in_session(model_opts: ModelOptions, sampling: SamplingOptions, text: str, session: str | None,
@@ -43,7 +43,7 @@ def _run_turn(ctl, created: bool, text: str, system: str | None, num_variants: i
     shown = [0]
 
     def write(index: int, so_far: str) -> None:
-        sys.stdout.write(so_far[shown[0]:])
+        sys.stdout.write(for_stdout(so_far[shown[0]:]))
         sys.stdout.flush()
         shown[0] = len(so_far)
 
@@ -61,12 +61,12 @@ def _run_turn(ctl, created: bool, text: str, system: str | None, num_variants: i
     elif streaming:
         reply = result.replies[0] if result.replies else None
         if reply is not None and len(reply.text) > shown[0]:
-            sys.stdout.write(reply.text[shown[0]:])  # text held back while it might have been a stop string
+            sys.stdout.write(for_stdout(reply.text[shown[0]:]))  # held back while it might have been a stop string
         sys.stdout.write((cut_mark(reply.finish_reason) if reply is not None else "") + "\n")
     else:
         for reply in result.replies:
             print(f"--- variant {reply.variant or 1} (#{reply.id}) ---")
-            print(reply.text + cut_mark(reply.finish_reason))
+            print(for_stdout(reply.text) + cut_mark(reply.finish_reason))
     sys.stdout.flush()
     for line in result.notes:   # stdout holds the reply alone: what to know about it goes to stderr
         print(f"pagedchat: note: {line}", file=sys.stderr)

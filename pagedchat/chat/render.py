@@ -1,7 +1,8 @@
 """Rich renderables for the chat: replies, side-by-side variants, the stats line, the tree, tables.
 
 Model text is always wrapped in Text/Markdown objects, never interpolated into console markup, so a reply
-containing "[bold]" or "[/]" prints as written.
+containing "[bold]" or "[/]" prints as written; and its control characters are shown, not acted on
+(words.for_terminal), so a reply containing an escape sequence cannot move the cursor.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pagedchat.chat import alternatives
 from pagedchat.reasoning import split as split_reasoning
 from pagedchat.chat.session import Session
 from pagedchat.chat.tree import Node
+from pagedchat.words import for_terminal
 
 MIN_COLUMN_WIDTH = 28
 
@@ -28,7 +30,7 @@ MIN_COLUMN_WIDTH = 28
 def reply_view(text: str, think: str = "hide", done: bool = True):
     """A reply as Markdown; reasoning (<think>...</think>) dim above it: in full while it streams or under
     /think show, else collapsed to one line once the reply is done."""
-    reasoning, answer = split_reasoning(text)
+    reasoning, answer = split_reasoning(for_terminal(text))
     body = Markdown(answer) if answer.strip() else Text("…", style="dim")
     if reasoning is None:
         return body
@@ -136,7 +138,7 @@ def node_label(node: Node, on_path: bool, is_head: bool) -> Text:
     label.append(node.role, style=f"{role_style} {style}".strip())
     if node.variant is not None:
         label.append(f" v{node.variant}", style="cyan")
-    label.append(f" “{first_words(node.text) or '…'}”", style=style)
+    label.append(f" “{first_words(for_terminal(node.text)) or '…'}”", style=style)
     label.append(f" ({len(node.token_ids)} tok)", style="dim")
     if node.interrupted:
         label.append(" [interrupted]", style="red")
@@ -177,7 +179,8 @@ def conversation_view(nodes: list[Node]):
             header.append(" [interrupted]", style="red")
         elif node.finish_reason == "length":
             header.append(" [length]", style="dim")
-        items += [header, reply_view(node.text) if node.role == "assistant" else Text(node.text), Text("")]
+        items += [header, reply_view(node.text) if node.role == "assistant" else Text(for_terminal(node.text)),
+                  Text("")]
     return Group(*items)
 
 

@@ -16,7 +16,7 @@ import sys
 from pagedchat.reasoning import ReasoningStream
 from pagedchat.reasoning import split as split_reasoning
 from pagedchat.settings import kv_report
-from pagedchat.words import cut_mark
+from pagedchat.words import cut_mark, for_stdout, for_terminal
 
 
 def note(message: str) -> None:
@@ -41,9 +41,9 @@ class ReasoningShown:
     def _show(self, pieces) -> None:
         for kind, text in pieces:
             if kind == "answer":
-                sys.stdout.write(text)
+                sys.stdout.write(for_stdout(text))
             elif self.tty:
-                sys.stdout.write(f"\x1b[2m{text}\x1b[0m")
+                sys.stdout.write(f"\x1b[2m{for_terminal(text)}\x1b[0m")
         sys.stdout.flush()
 
 
@@ -102,7 +102,7 @@ class LiveReply:
     def _print_variant(self, index: int, finish_reason: str | None) -> None:
         _header(f"variant {index + 1}")
         text = self.texts[index] if self.thinking is None else split_reasoning(self.texts[index], self.thinking)[1]
-        print(text + cut_mark(finish_reason))
+        print(for_stdout(text) + cut_mark(finish_reason))
         sys.stdout.flush()
         self.printed.add(index)
 
@@ -121,7 +121,7 @@ def print_plain(outputs, batch: bool, thinking) -> None:
             if labels:
                 _header(" / ".join(labels))
             text = variant.text if thinking is None else split_reasoning(variant.text, thinking[i])[1]
-            print(text + cut_mark(variant.finish_reason))
+            print(for_stdout(text) + cut_mark(variant.finish_reason))
 
 
 def variant_label(variant) -> str:
