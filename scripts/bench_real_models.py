@@ -274,8 +274,10 @@ def main() -> None:
     from pagedchat.bench.real_models import MODELS, fetch
 
     paths = a.paths or [str(fetch(m)) for m in MODELS.values()]
-    flags = os.environ.get("PAGEDCHAT_NATIVE_CFLAGS")
-    command = (f"PAGEDCHAT_NATIVE_CFLAGS='{flags}' " if flags else "") \
+    from pagedchat.native.build import FLAGS_ENV
+
+    flags = os.environ.get(FLAGS_ENV)
+    command = (f"{FLAGS_ENV}='{flags}' " if flags else "") \
         + f"python scripts/bench_real_models.py --threads {a.threads} --repeats {a.repeats}" \
         + (" --llama-1b" if a.llama_1b else "")
     report = {"command": command, "date": time.strftime("%Y-%m-%d"), "machine": machine_description(),

@@ -41,7 +41,7 @@ class ReasoningShown:
     def _show(self, pieces) -> None:
         for kind, text in pieces:
             if kind == "answer":
-                sys.stdout.write(for_stdout(text))
+                sys.stdout.write(for_terminal(text) if self.tty else text)
             elif self.tty:
                 sys.stdout.write(f"\x1b[2m{for_terminal(text)}\x1b[0m")
         sys.stdout.flush()
